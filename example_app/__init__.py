@@ -1,0 +1,1 @@
+"""A small FastAPI ticket service made safe to retry by idempotency-mw."""

@@ -1,0 +1,132 @@
+"""The example ticket service: create tickets, send notification emails, list tickets.
+
+Run it with ``uvicorn example_app.app:app``; ``EXAMPLE_DATABASE_URL`` picks the database
+(SQLite file ``./example.db`` by default). Tickets and the idempotency records share it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, Field
+from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from starlette.requests import HTTPConnection
+
+from idempotency_mw import IdempotencyMiddleware, SQLStore, idempotent
+from idempotency_mw.cli import upgrade
+from idempotency_mw.stores.sql import async_url
+
+DEFAULT_DATABASE_URL = "sqlite:///./example.db"
+
+metadata = MetaData()
+tickets = Table(
+    "example_tickets",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("caller", String(255), nullable=False),
+    Column("title", String(200), nullable=False),
+    Column("client_ref", String(100), nullable=True),
+    Column("created_at", String(40), nullable=False, server_default=func.current_timestamp()),
+)
+emails = Table(
+    "example_emails",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("ticket_id", Integer, nullable=False),
+    Column("recipient", String(255), nullable=False),
+)
+
+
+class TicketIn(BaseModel):
+    title: str = Field(min_length=1, max_length=200)
+    client_ref: str | None = Field(default=None, max_length=100)
+
+
+class Ticket(BaseModel):
+    id: int
+    title: str
+    client_ref: str | None
+
+
+class EmailIn(BaseModel):
+    recipient: str = Field(min_length=3, max_length=255)
+
+
+class Email(BaseModel):
+    id: int
+    ticket_id: int
+    recipient: str
+
+
+def caller_of(connection: HTTPConnection) -> str:
+    """The caller's name; a stand-in for the identity an auth layer would provide."""
+    return connection.headers.get("x-caller", "anonymous")
+
+
+def create_app(database_url: str | None = None) -> FastAPI:
+    """The ticket service on ``database_url`` (default: ``EXAMPLE_DATABASE_URL`` or SQLite)."""
+    url = database_url or os.environ.get("EXAMPLE_DATABASE_URL", DEFAULT_DATABASE_URL)
+    engine: AsyncEngine = create_async_engine(async_url(url), connect_args=_connect_args(url))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await upgrade(url)
+        async with engine.begin() as conn:
+            await conn.run_sync(metadata.create_all)
+        yield
+        await engine.dispose()
+
+    app = FastAPI(title="Ticket service", lifespan=lifespan)
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=SQLStore(url),
+        scope=caller_of,
+        lease=timedelta(seconds=10),
+    )
+
+    @app.post("/tickets", status_code=201)
+    @idempotent(ttl=timedelta(hours=1), required=True)
+    async def create_ticket(ticket: TicketIn, request: Request) -> Ticket:
+        async with engine.begin() as conn:
+            result = await conn.execute(
+                insert(tickets).values(
+                    caller=caller_of(request), title=ticket.title, client_ref=ticket.client_ref
+                )
+            )
+        (ticket_id,) = result.inserted_primary_key or (0,)
+        return Ticket(id=ticket_id, title=ticket.title, client_ref=ticket.client_ref)
+
+    @app.post("/tickets/{ticket_id}/emails", status_code=202)
+    @idempotent(ttl=timedelta(minutes=10), required=True)
+    async def send_email(ticket_id: int, email: EmailIn) -> Email:
+        async with engine.begin() as conn:
+            result = await conn.execute(
+                insert(emails).values(ticket_id=ticket_id, recipient=email.recipient)
+            )
+        (email_id,) = result.inserted_primary_key or (0,)
+        return Email(id=email_id, ticket_id=ticket_id, recipient=email.recipient)
+
+    @app.get("/tickets")
+    async def list_tickets(request: Request) -> list[Ticket]:
+        async with engine.connect() as conn:
+            rows = await conn.execute(
+                select(tickets.c.id, tickets.c.title, tickets.c.client_ref)
+                .where(tickets.c.caller == caller_of(request))
+                .order_by(tickets.c.id)
+            )
+            return [Ticket(id=r.id, title=r.title, client_ref=r.client_ref) for r in rows]
+
+    return app
+
+
+def _connect_args(url: str) -> dict[str, object]:
+    # Several workers share one SQLite file: wait for the write lock instead of failing.
+    return {"timeout": 30} if async_url(url).get_backend_name() == "sqlite" else {}
+
+
+app = create_app()

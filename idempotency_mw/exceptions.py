@@ -1,0 +1,19 @@
+"""The library's errors: one base class and a few that callers act on."""
+
+from __future__ import annotations
+
+
+class IdempotencyError(Exception):
+    """Base class of every error raised by idempotency-mw."""
+
+
+class ConfigurationError(IdempotencyError, ValueError):
+    """An option given to the middleware, a decorator or a store is invalid."""
+
+
+class StoreError(IdempotencyError):
+    """The store could not be reached or failed; the driver's error is the ``__cause__``."""
+
+
+class SchemaError(StoreError):
+    """The idempotency table is missing or older than this version of the library expects."""

@@ -1,0 +1,33 @@
+"""The request fingerprint: what must match for a repeated key to be the same request."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+
+def request_fingerprint(
+    method: str,
+    route: str,
+    path: str,
+    query: bytes,
+    headers: Sequence[tuple[str, str]],
+    body: bytes,
+) -> str:
+    """Hex SHA-256 over length-prefixed fields, so no two field splits share a hash."""
+    digest = hashlib.sha256()
+
+    def field(value: bytes) -> None:
+        digest.update(len(value).to_bytes(8, "big"))
+        digest.update(value)
+
+    field(method.encode())
+    field(route.encode())
+    field(path.encode())
+    field(query)
+    digest.update(len(headers).to_bytes(8, "big"))
+    for name, value in headers:
+        field(name.encode("latin-1"))
+        field(value.encode("latin-1"))
+    field(body)
+    return digest.hexdigest()

@@ -1,0 +1,62 @@
+"""Alembic environment of idempotency-mw's own table (used by ``alembic`` and the CLI).
+
+The database URL is ``sqlalchemy.url`` of the Alembic config (the CLI sets it), else
+``IDEMPOTENCY_DATABASE_URL``; async URLs are accepted. The revisions are recorded in a version
+table of their own, so this history never collides with the application's own Alembic history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from alembic import context
+from sqlalchemy import Connection
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from idempotency_mw.stores.schema import metadata
+from idempotency_mw.stores.sql import async_url
+
+VERSION_TABLE = "idempotency_mw_alembic_version"
+
+
+def _url() -> str:
+    url = context.config.get_main_option("sqlalchemy.url") or os.environ.get(
+        "IDEMPOTENCY_DATABASE_URL"
+    )
+    if not url:
+        raise SystemExit("set IDEMPOTENCY_DATABASE_URL to the database to migrate")
+    return url
+
+
+def _run_offline() -> None:
+    context.configure(
+        url=async_url(_url()),
+        literal_binds=True,
+        target_metadata=metadata,
+        version_table=VERSION_TABLE,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def _migrate(connection: Connection) -> None:
+    context.configure(connection=connection, target_metadata=metadata, version_table=VERSION_TABLE)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+async def _run_online() -> None:
+    engine = create_async_engine(async_url(_url()))
+    try:
+        async with engine.connect() as connection:
+            await connection.run_sync(_migrate)
+            await connection.commit()
+    finally:
+        await engine.dispose()
+
+
+if context.is_offline_mode():
+    _run_offline()
+else:
+    asyncio.run(_run_online())

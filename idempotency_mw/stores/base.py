@@ -1,0 +1,62 @@
+"""The Store protocol: the only thing the middleware knows about persistence."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from idempotency_mw.records import Claim, StoredResponse
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Persistence of idempotency records.
+
+    A record is identified by ``(scope, key)``. Every method is one atomic step in the backend
+    (a single SQL statement or transaction, a single Lua script); none is a read followed by a
+    separate write. Times are measured by the backend's clock, never the caller's.
+
+    Contract of :meth:`claim` for a record that is:
+
+    - absent, expired (past its TTL and not in progress), or in progress with a lapsed lease and
+      the same fingerprint: taken over, a fresh token issued: ``ACQUIRED``. An in-progress record
+      whose lease lapsed and whose TTL also ended is taken over whatever its fingerprint;
+    - present with another fingerprint: ``MISMATCH``;
+    - in progress within its lease: ``IN_PROGRESS``;
+    - completed: ``REPLAY`` with the stored response;
+    - completed without a replayable response: ``UNREPLAYABLE``.
+
+    Of any number of concurrent claims of one absent key, across processes, exactly one is
+    ``ACQUIRED``. :meth:`renew`, :meth:`complete` and :meth:`release` act only while the token
+    still owns the record and return whether they did, so a worker that lost its lease cannot
+    overwrite the record of the one that took over.
+
+    Backend failures raise :class:`~idempotency_mw.exceptions.StoreError`.
+    """
+
+    async def claim(
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
+    ) -> Claim:
+        """Claim ``key`` for a request whose hash is ``fingerprint`` (times in seconds)."""
+        ...
+
+    async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
+        """Extend the lease of a claim still in progress."""
+        ...
+
+    async def complete(
+        self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
+    ) -> bool:
+        """Record the response (``None``: not replayable); the record then lives for ``ttl``."""
+        ...
+
+    async def release(self, scope: str, key: str, token: str) -> bool:
+        """Forget an in-progress claim so that a retry runs the request again."""
+        ...
+
+    async def startup(self) -> None:
+        """Check that the backend is ready to use (raises SchemaError when it is not)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the store opened itself; never what it was given."""
+        ...

@@ -1,0 +1,51 @@
+"""The idempotency table, in portable SQLAlchemy Core types."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+)
+from sqlalchemy.dialects import mysql
+
+TABLE_NAME = "idempotency_records"
+#: The Alembic revision that creates the table as this module describes it.
+SCHEMA_REVISION = "0001_idempotency_records"
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+# MySQL/MariaDB compare strings case-insensitively by default; keys are case-sensitive.
+_Text = String(255).with_variant(mysql.VARCHAR(255, collation="utf8mb4_bin"), "mysql", "mariadb")
+# A plain BLOB holds 64 KiB on MySQL/MariaDB; responses may be larger.
+_Bytes = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
+
+records = Table(
+    TABLE_NAME,
+    metadata,
+    Column("scope", _Text, nullable=False),
+    Column("key", _Text, nullable=False),
+    Column("request_hash", String(64), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("token", String(32), nullable=False),
+    # Times are milliseconds since the Unix epoch, read from the database's clock.
+    Column("created_at", BigInteger, nullable=False),
+    Column("lease_expires_at", BigInteger, nullable=False),
+    Column("expires_at", BigInteger, nullable=False),
+    Column("response_status", Integer, nullable=True),
+    Column("response_headers", _Bytes, nullable=True),
+    Column("result_payload", _Bytes, nullable=True),
+    PrimaryKeyConstraint("scope", "key"),
+    Index(None, "expires_at"),
+)

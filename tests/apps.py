@@ -1,0 +1,110 @@
+"""A FastAPI app with one route per behaviour under test, and a client for it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request, Response, WebSocket
+from fastapi.responses import StreamingResponse
+
+from idempotency_mw import IdempotencyMiddleware, Store, idempotent
+
+
+class Gate:
+    """Holds a handler until the test opens it."""
+
+    def __init__(self) -> None:
+        self.entered = anyio.Event()
+        self.opened = anyio.Event()
+
+
+def make_app(store: Store, **options: Any) -> FastAPI:
+    """An app whose handlers count their runs in ``app.state.calls``."""
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store, **options)
+    calls: Counter[str] = Counter()
+    app.state.calls = calls
+    app.state.gate = Gate()
+    app.state.hold_seconds = 0.0
+
+    @app.post("/tickets", status_code=201)
+    @idempotent(required=True)
+    async def create_ticket(request: Request, response: Response) -> dict[str, Any]:
+        calls["tickets"] += 1
+        response.headers["x-ticket"] = str(calls["tickets"])
+        response.set_cookie("session", "secret")
+        return {"id": calls["tickets"], "body": (await request.body()).decode()}
+
+    @app.post("/tickets/{ticket_id}/close")
+    async def close_ticket(ticket_id: int) -> dict[str, int]:
+        calls["close"] += 1
+        return {"closed": ticket_id, "run": calls["close"]}
+
+    @app.put("/optional")
+    async def optional_key() -> dict[str, int]:
+        calls["optional"] += 1
+        return {"run": calls["optional"]}
+
+    @app.get("/tickets")
+    async def list_tickets() -> dict[str, int]:
+        calls["list"] += 1
+        return {"run": calls["list"]}
+
+    @app.post("/short-ttl")
+    @idempotent(ttl=0.3)
+    async def short_ttl() -> dict[str, int]:
+        calls["short-ttl"] += 1
+        return {"run": calls["short-ttl"]}
+
+    @app.post("/held")
+    async def held() -> dict[str, int]:
+        calls["held"] += 1
+        gate: Gate = app.state.gate
+        gate.entered.set()
+        await gate.opened.wait()
+        return {"run": calls["held"]}
+
+    @app.post("/slow")
+    async def slow() -> dict[str, int]:
+        calls["slow"] += 1
+        await anyio.sleep(app.state.hold_seconds)
+        return {"run": calls["slow"]}
+
+    @app.post("/boom")
+    async def boom() -> None:
+        calls["boom"] += 1
+        raise RuntimeError("handler failed")
+
+    @app.post("/server-error")
+    async def server_error() -> Response:
+        calls["server-error"] += 1
+        return Response(b"try again", status_code=503)
+
+    @app.post("/stream")
+    async def stream(request: Request) -> StreamingResponse:
+        calls["stream"] += 1
+        size = int(request.query_params.get("size", "3"))
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for index in range(size):
+                yield bytes([index % 256]) * 1000
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream")
+
+    @app.websocket("/ws")
+    async def websocket(socket: WebSocket) -> None:
+        await socket.accept()
+        await socket.send_text("hello")
+        await socket.close()
+
+    return app
+
+
+def client_for(app: FastAPI) -> httpx.AsyncClient:
+    """An httpx client that calls the app in process."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://testserver")

@@ -1,0 +1,198 @@
+"""The Store contract, checked directly on every store (see the `store` fixture)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import anyio
+import pytest
+
+from idempotency_mw import ClaimOutcome, Store, StoredResponse
+
+pytestmark = pytest.mark.anyio
+
+TTL = 60.0
+LEASE = 30.0
+RESPONSE = StoredResponse(
+    201, ((b"content-type", b"application/json"), (b"x-a", b"1")), b'{"id":1}'
+)
+
+
+async def acquire(store: Store, key: str = "k", fingerprint: str = "f", **times: float) -> str:
+    claim = await store.claim(
+        "", key, fingerprint, ttl=times.get("ttl", TTL), lease=times.get("lease", LEASE)
+    )
+    assert claim.outcome is ClaimOutcome.ACQUIRED
+    assert claim.token
+    return claim.token
+
+
+async def test_first_claim_acquires_and_repeat_is_in_progress(store: Store) -> None:
+    await acquire(store)
+    again = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
+    assert again.outcome is ClaimOutcome.IN_PROGRESS
+    assert again.token is None
+
+
+async def test_completed_record_replays_exact_response(store: Store) -> None:
+    token = await acquire(store)
+    assert await store.complete("", "k", token, RESPONSE, ttl=TTL)
+    claim = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
+    assert claim.outcome is ClaimOutcome.REPLAY
+    assert claim.response == RESPONSE
+
+
+async def test_other_fingerprint_is_mismatch_in_progress_and_completed(store: Store) -> None:
+    token = await acquire(store)
+    assert (await store.claim("", "k", "other", ttl=TTL, lease=LEASE)).outcome is (
+        ClaimOutcome.MISMATCH
+    )
+    await store.complete("", "k", token, RESPONSE, ttl=TTL)
+    assert (await store.claim("", "k", "other", ttl=TTL, lease=LEASE)).outcome is (
+        ClaimOutcome.MISMATCH
+    )
+
+
+async def test_unreplayable_record(store: Store) -> None:
+    token = await acquire(store)
+    assert await store.complete("", "k", token, None, ttl=TTL)
+    claim = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
+    assert claim.outcome is ClaimOutcome.UNREPLAYABLE
+
+
+async def test_release_lets_the_next_claim_run(store: Store) -> None:
+    token = await acquire(store)
+    assert await store.release("", "k", token)
+    await acquire(store, fingerprint="another request may now use the key")
+
+
+async def test_lapsed_lease_is_taken_over_and_stale_token_is_refused(store: Store) -> None:
+    stale = await acquire(store, lease=0.2)
+    await anyio.sleep(0.4)
+    fresh = await acquire(store)
+    assert fresh != stale
+    assert not await store.complete("", "k", stale, RESPONSE, ttl=TTL)
+    assert not await store.renew("", "k", stale, lease=LEASE)
+    assert not await store.release("", "k", stale)
+    # The stale worker changed nothing: the new owner still holds the key.
+    assert (await store.claim("", "k", "f", ttl=TTL, lease=LEASE)).outcome is (
+        ClaimOutcome.IN_PROGRESS
+    )
+    assert await store.complete("", "k", fresh, RESPONSE, ttl=TTL)
+
+
+async def test_lapsed_lease_with_other_fingerprint_is_mismatch(store: Store) -> None:
+    await acquire(store, lease=0.2)
+    await anyio.sleep(0.4)
+    claim = await store.claim("", "k", "other", ttl=TTL, lease=LEASE)
+    assert claim.outcome is ClaimOutcome.MISMATCH
+
+
+async def test_renew_keeps_the_lease(store: Store) -> None:
+    token = await acquire(store, lease=0.5)
+    for _ in range(4):
+        await anyio.sleep(0.2)
+        assert await store.renew("", "k", token, lease=0.5)
+    assert (await store.claim("", "k", "f", ttl=TTL, lease=LEASE)).outcome is (
+        ClaimOutcome.IN_PROGRESS
+    )
+
+
+async def test_expired_record_is_absent_for_any_request(store: Store) -> None:
+    token = await acquire(store, ttl=0.3)
+    await store.complete("", "k", token, RESPONSE, ttl=0.3)
+    await anyio.sleep(0.5)
+    await acquire(store, fingerprint="a different request")
+
+
+async def test_scopes_are_isolated(store: Store) -> None:
+    token = await acquire(store)
+    await store.complete("", "k", token, RESPONSE, ttl=TTL)
+    other = await store.claim("caller-b", "k", "f", ttl=TTL, lease=LEASE)
+    assert other.outcome is ClaimOutcome.ACQUIRED
+
+
+async def test_keys_are_case_sensitive(store: Store) -> None:
+    await acquire(store, key="Key-A")
+    await acquire(store, key="key-a")
+
+
+async def test_fifty_concurrent_claims_have_one_winner(store: Store) -> None:
+    outcomes: list[ClaimOutcome] = []
+
+    async def claim() -> None:
+        result = await store.claim("", "hot", "f", ttl=TTL, lease=LEASE)
+        outcomes.append(result.outcome)
+
+    async with anyio.create_task_group() as group:
+        for _ in range(50):
+            group.start_soon(claim)
+    assert outcomes.count(ClaimOutcome.ACQUIRED) == 1
+    assert outcomes.count(ClaimOutcome.IN_PROGRESS) == 49
+
+
+async def test_large_binary_payload_round_trips(store: Store) -> None:
+    body = os.urandom(3 << 20) + bytes(range(256))
+    response = StoredResponse(200, ((b"content-type", b"application/octet-stream"),), body)
+    token = await acquire(store)
+    await store.complete("", "k", token, response, ttl=TTL)
+    claim = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
+    assert claim.response == response
+
+
+async def test_times_come_from_the_store_not_the_worker_clock(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await acquire(store, lease=LEASE)
+    # A worker whose clock runs a day ahead must still see the lease as held.
+    ahead = time.time() + 86400
+    monkeypatch.setattr(time, "time", lambda: ahead)
+    monkeypatch.setattr(time, "time_ns", lambda: int(ahead * 1e9))
+    claim = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
+    assert claim.outcome is ClaimOutcome.IN_PROGRESS
+
+
+def _claim_in_process(url: str, results: multiprocessing.Queue[str]) -> None:
+    from idempotency_mw import SQLStore
+
+    async def run() -> None:
+        store = SQLStore(url)
+        outcomes: list[str] = []
+
+        async def claim() -> None:
+            result = await store.claim("", "shared", "f", ttl=TTL, lease=LEASE)
+            outcomes.append(result.outcome.value)
+
+        async with anyio.create_task_group() as group:
+            for _ in range(10):
+                group.start_soon(claim)
+        await store.aclose()
+        for outcome in outcomes:
+            results.put(outcome)
+
+    anyio.run(run)
+
+
+async def test_claims_from_several_processes_have_one_winner(
+    database_url: str, sql_store: Store
+) -> None:
+    context = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue[str] = context.Queue()
+    workers = [
+        context.Process(target=_claim_in_process, args=(database_url, results)) for _ in range(4)
+    ]
+    for worker in workers:
+        worker.start()
+
+    def collect() -> list[str]:
+        outcomes = [results.get(timeout=60) for _ in range(40)]
+        for worker in workers:
+            worker.join(timeout=30)
+            assert worker.exitcode == 0
+        return outcomes
+
+    outcomes = await anyio.to_thread.run_sync(collect)
+    assert outcomes.count(ClaimOutcome.ACQUIRED.value) == 1
+    assert outcomes.count(ClaimOutcome.IN_PROGRESS.value) == 39
