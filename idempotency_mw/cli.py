@@ -1,8 +1,9 @@
-"""The ``idempotency-mw`` command: database migrations without an Alembic project."""
+"""The ``idempotency-mw`` command: migrations without an Alembic project, and the purge."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
 from importlib.resources import files
@@ -13,8 +14,11 @@ from alembic.config import Config
 from alembic.util.exc import CommandError
 from sqlalchemy.exc import DBAPIError
 
-from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.stores.sql import async_url
+from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE, purge
+from idempotency_mw.exceptions import ConfigurationError, StoreError
+from idempotency_mw.stores.base import Store
+from idempotency_mw.stores.redis import RedisStore
+from idempotency_mw.stores.sql import SQLStore, async_url
 
 
 def alembic_config(url: str) -> Config:
@@ -56,9 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     downgrade = commands.add_parser("downgrade", help="downgrade the table (base removes it)")
     downgrade.add_argument("--url", required=True, help="database URL")
     downgrade.add_argument("--revision", default="base", help="target revision (default: base)")
+    purge_parser = commands.add_parser("purge", help="delete expired records now")
+    purge_parser.add_argument("--url", required=True, help="database or redis:// URL")
+    purge_parser.add_argument(
+        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="rows per transaction"
+    )
     args = parser.parse_args(argv)
 
     try:
+        if args.command == "purge":
+            print(f"idempotency-mw: {asyncio.run(_purge(args.url, args.batch_size))}")
+            return 0
         config = alembic_config(args.url)
         if args.command == "migrate":
             command.upgrade(config, args.revision)
@@ -68,10 +80,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"idempotency-mw: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a database error: one line for the shell, not a traceback
-        print(f"idempotency-mw: {one_line(exc)}", file=sys.stderr)
+        cause = exc.__cause__ if isinstance(exc, StoreError) and exc.__cause__ else exc
+        print(f"idempotency-mw: {one_line(cause)}", file=sys.stderr)
         return 1
     print(f"idempotency-mw: {args.command} to {args.revision} done")
     return 0
+
+
+async def _purge(url: str, batch_size: int) -> str:
+    store: Store = RedisStore(url) if url.startswith(("redis:", "rediss:")) else SQLStore(url)
+    try:
+        report = await purge(store, batch_size=batch_size)
+    finally:
+        await store.aclose()
+    if report.self_expiring:
+        return "Redis expires records by itself (TTL): nothing to purge"
+    return (
+        f"purged {report.deleted} expired records in {report.seconds:.3f} s "
+        f"({report.batches} batches of at most {batch_size})"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import hashlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextlib import AsyncExitStack
 from datetime import timedelta
 
 import anyio
@@ -14,6 +15,7 @@ from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from idempotency_mw.cleanup import PurgeSchedule, background_purge
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError
 from idempotency_mw.fingerprint import request_fingerprint
 from idempotency_mw.openapi import document_key_header
@@ -53,7 +55,8 @@ class IdempotencyMiddleware:
     and the same request gets the recorded response replayed; a repeat with a different request
     gets 409 (or 422); a repeat while the first still runs gets 409 with ``Retry-After``.
     Settings given here are defaults; ``@idempotent`` and the ``routes`` mapping override them
-    per route.
+    per route. During the app's lifespan, expired records are purged on the ``purge`` schedule
+    (``None`` turns that off, e.g. when a cron job runs ``idempotency-mw purge``).
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class IdempotencyMiddleware:
         retry_after: int = 1,
         replay_headers_allow: Iterable[str] | None = None,
         replay_headers_deny: Iterable[str] = DEFAULT_UNRECORDED_HEADERS,
+        purge: PurgeSchedule | None = PurgeSchedule(),  # noqa: B008  (frozen, so shareable)
     ) -> None:
         if not isinstance(store, Store):
             raise ConfigurationError(f"store must implement the Store protocol, got {store!r}")
@@ -100,6 +104,8 @@ class IdempotencyMiddleware:
         self._mismatch_status = mismatch_status
         self._fail_open = fail_open
         self._retry_after = retry_after
+        self._purge = purge
+        self._lifespan_resources = AsyncExitStack()
         allow = None if replay_headers_allow is None else {h.lower() for h in replay_headers_allow}
         deny = {h.lower() for h in replay_headers_deny}
         self._records_header: Callable[[bytes], bool] = (
@@ -177,7 +183,12 @@ class IdempotencyMiddleware:
                 document_key_header(
                     scope.get("app"), self._header_name, self._methods, self._defaults, self._routes
                 )
+                if self._purge is not None:
+                    await self._lifespan_resources.enter_async_context(
+                        background_purge(self.store, self._purge)
+                    )
             elif message["type"] == "lifespan.shutdown.complete":
+                await self._lifespan_resources.aclose()
                 await self.store.aclose()
             await send(message)
 

@@ -53,6 +53,14 @@ class Store(Protocol):
         """Forget an in-progress claim so that a retry runs the request again."""
         ...
 
+    async def purge_expired(self, *, batch_size: int) -> int | None:
+        """Delete at most ``batch_size`` expired records in one short step; return how many.
+
+        Records in progress within their lease are never touched. ``None`` means the store
+        expires records by itself (Redis) and there is nothing to purge.
+        """
+        ...
+
     async def startup(self) -> None:
         """Check that the backend is ready to use (raises SchemaError when it is not)."""
         ...

@@ -227,6 +227,10 @@ class RedisStore:
     async def release(self, scope: str, key: str, token: str) -> bool:
         return bool(await self._run(self._release, self.redis_key(scope, key), [token]))
 
+    async def purge_expired(self, *, batch_size: int) -> int | None:
+        """Nothing to do: Redis deletes records when their TTL ends."""
+        return None
+
     async def startup(self) -> None:
         """Check that Redis answers and load the scripts (raises StoreError when it does not)."""
 

@@ -17,6 +17,7 @@ from sqlalchemy import (
     inspect,
     or_,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
@@ -117,17 +118,25 @@ def _owned(scope: str, key: str, token: str) -> ColumnElement[bool]:
     )
 
 
+def _expired(now: _NowMs) -> ColumnElement[bool]:
+    """Past its TTL and not held by a live lease."""
+    return and_(
+        records.c.expires_at <= now,
+        or_(
+            records.c.status != RecordStatus.IN_PROGRESS.value,
+            records.c.lease_expires_at <= now,
+        ),
+    )
+
+
 def _can_take_over(fingerprint: str, now: _NowMs) -> ColumnElement[bool]:
-    """The existing record is past its lease (same request) or past its TTL (any request)."""
+    """Expired (any request may take it), or the same request's lease lapsed."""
     return or_(
+        _expired(now),
         and_(
             records.c.status == RecordStatus.IN_PROGRESS.value,
             records.c.lease_expires_at <= now,
-            or_(records.c.request_hash == fingerprint, records.c.expires_at <= now),
-        ),
-        and_(
-            records.c.status != RecordStatus.IN_PROGRESS.value,
-            records.c.expires_at <= now,
+            records.c.request_hash == fingerprint,
         ),
     )
 
@@ -249,6 +258,14 @@ class SQLStore:
     async def release(self, scope: str, key: str, token: str) -> bool:
         return await self._changes_one_row(delete(records).where(_owned(scope, key, token)))
 
+    async def purge_expired(self, *, batch_size: int) -> int | None:
+        statement = _purge_statement(self._engine.dialect.name, batch_size)
+
+        def purge(conn: Connection) -> int:
+            return conn.execute(statement).rowcount
+
+        return await self._transaction(purge, isolation_level="READ COMMITTED")
+
     async def startup(self) -> None:
         def check(conn: Connection) -> None:
             inspector = inspect(conn)
@@ -274,13 +291,36 @@ class SQLStore:
 
         return await self._transaction(execute)
 
-    async def _transaction(self, operation: Callable[[Connection], T]) -> T:
+    async def _transaction(
+        self, operation: Callable[[Connection], T], isolation_level: str | None = None
+    ) -> T:
         """Run ``operation`` in one transaction; driver failures become StoreError."""
+        engine = self._engine
+        if isolation_level is not None and engine.dialect.name != "sqlite":
+            engine = engine.execution_options(isolation_level=isolation_level)
         try:
-            async with asyncio.timeout(self._operation_timeout), self._engine.begin() as conn:
+            async with asyncio.timeout(self._operation_timeout), engine.begin() as conn:
                 return await conn.run_sync(operation)
         except (SQLAlchemyError, OSError, TimeoutError) as exc:
             raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _purge_statement(dialect: str, batch_size: int) -> Any:
+    """Delete at most ``batch_size`` expired rows, oldest first, in one statement."""
+    if dialect in ("mysql", "mariadb"):
+        # MariaDB takes no LIMIT in an IN subquery, but a single-table DELETE takes one.
+        expired = delete(records).where(_expired(_NowMs()))
+        return expired.with_dialect_options(mysql_limit=batch_size)
+    # SKIP LOCKED lets concurrent purgers and claims pass each other on PostgreSQL instead of
+    # waiting or deadlocking; SQLite, one writer at a time, ignores it.
+    batch = (
+        select(records.c.scope, records.c.key)
+        .where(_expired(_NowMs()))
+        .order_by(records.c.expires_at)
+        .limit(batch_size)
+        .with_for_update(skip_locked=True)
+    )
+    return delete(records).where(tuple_(records.c.scope, records.c.key).in_(batch))
 
 
 Upsert = Callable[[dict[str, Any], ColumnElement[bool]], Any]

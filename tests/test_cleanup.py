@@ -1,0 +1,176 @@
+"""The purge of expired records: in batches, concurrent, in the background, and from the CLI."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import anyio
+import pytest
+from asgi_lifespan import LifespanManager
+from sqlalchemy import func, insert, select
+
+from idempotency_mw import ClaimOutcome, RedisStore, SQLStore, StoredResponse
+from idempotency_mw.cleanup import PurgeSchedule, background_purge, purge
+from idempotency_mw.cli import main
+from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.stores.schema import records
+from tests.apps import make_app
+from tests.conftest import REDIS_URL, fresh_sql_store, require_server
+
+pytestmark = pytest.mark.anyio
+
+EXPIRED = 100_000
+LIVE = 1_000
+
+
+async def fill(store: SQLStore, *, expired: int, live: int) -> None:
+    """Rows past their TTL, rows still live, and in-progress rows that must survive."""
+    now = int(time.time() * 1000)
+    hour = 3_600_000
+
+    def row(key: str, status: str, lease_end: int, ttl_end: int) -> dict[str, Any]:
+        return {
+            "scope": "",
+            "key": key,
+            "request_hash": "f" * 64,
+            "status": status,
+            "token": "t" * 32,
+            "created_at": now - 2 * hour,
+            "lease_expires_at": lease_end,
+            "expires_at": ttl_end,
+            "response_status": 200,
+            "response_headers": b"",
+            "result_payload": b"{}",
+        }
+
+    rows = [row(f"old-{i}", "completed", now - hour, now - hour) for i in range(expired)]
+    rows += [row(f"live-{i}", "completed", now, now + hour) for i in range(live)]
+    # In progress past its TTL but within its lease: a running request, never purged.
+    rows.append(row("running", "in_progress", now + hour, now - hour))
+    async with store.engine.begin() as conn:
+        for start in range(0, len(rows), 10_000):
+            await conn.execute(insert(records), rows[start : start + 10_000])
+
+
+async def count(store: SQLStore, prefix: str) -> int:
+    async with store.engine.connect() as conn:
+        result = await conn.execute(
+            select(func.count()).select_from(records).where(records.c.key.like(f"{prefix}%"))
+        )
+        return int(result.scalar_one())
+
+
+async def test_purge_deletes_expired_rows_in_batches_and_keeps_the_rest(
+    sql_store: SQLStore,
+) -> None:
+    await fill(sql_store, expired=EXPIRED, live=LIVE)
+    report = await purge(sql_store, batch_size=5_000)
+    assert report.deleted == EXPIRED
+    assert report.batches == EXPIRED // 5_000 + 1
+    assert await count(sql_store, "old-") == 0
+    assert await count(sql_store, "live-") == LIVE
+    assert await count(sql_store, "running") == 1
+
+
+async def test_two_purges_at_once_both_finish_cleanly(sql_store: SQLStore) -> None:
+    await fill(sql_store, expired=EXPIRED // 2, live=LIVE)
+    second = SQLStore(sql_store.engine)
+    reports = []
+
+    async def run(store: SQLStore) -> None:
+        reports.append(await purge(store, batch_size=2_000))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run, sql_store)
+        group.start_soon(run, second)
+    # A purger stops at a short batch, which rows held by the other can cause: one more
+    # round finds whatever is left.
+    reports.append(await purge(sql_store, batch_size=2_000))
+    assert sum(r.deleted for r in reports) == EXPIRED // 2
+    assert await count(sql_store, "old-") == 0
+    assert await count(sql_store, "live-") == LIVE
+
+
+async def test_purge_does_not_touch_a_running_claim(sql_store: SQLStore) -> None:
+    claim = await sql_store.claim("", "k", "f", ttl=0.1, lease=60)
+    assert claim.token
+    await anyio.sleep(0.3)
+    assert (await purge(sql_store)).deleted == 0
+    response = StoredResponse(200, (), b"ok")
+    assert await sql_store.complete("", "k", claim.token, response, ttl=60)
+    replay = await sql_store.claim("", "k", "f", ttl=60, lease=60)
+    assert replay.outcome is ClaimOutcome.REPLAY
+
+
+async def test_redis_needs_no_purge() -> None:
+    require_server(REDIS_URL)
+    store = RedisStore(REDIS_URL)
+    report = await purge(store)
+    await store.aclose()
+    assert report.self_expiring
+    assert report.deleted == 0
+
+
+async def test_background_purge_runs_in_the_apps_lifespan(
+    sql_store: SQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    await fill(sql_store, expired=50, live=5)
+    app = make_app(sql_store, purge=PurgeSchedule(interval=0.1, jitter=0.5))
+    with caplog.at_level(logging.INFO, logger="idempotency_mw"):
+        async with LifespanManager(app):
+            for _ in range(50):
+                if await count(sql_store, "old-") == 0:
+                    break
+                await anyio.sleep(0.05)
+    assert await count(sql_store, "old-") == 0
+    assert await count(sql_store, "live-") == 5
+    assert "purged 50 expired idempotency records" in caplog.text
+
+
+async def test_background_purge_context_manager_survives_store_errors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    dead = SQLStore("postgresql://postgres@127.0.0.1:1/test")
+    with caplog.at_level(logging.WARNING, logger="idempotency_mw"):
+        async with background_purge(dead, PurgeSchedule(interval=0.05, jitter=0)):
+            await anyio.sleep(0.3)
+    await dead.aclose()
+    assert caplog.text.count("purge of expired idempotency records failed") >= 2
+
+
+def test_schedule_is_validated() -> None:
+    for options in ({"interval": 0}, {"jitter": 1.5}, {"batch_size": 0}):
+        with pytest.raises(ConfigurationError):
+            PurgeSchedule(**options)
+
+
+async def test_cli_purge(database_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    store = await fresh_sql_store(database_url)
+    await fill(store, expired=300, live=10)
+    assert (
+        await anyio.to_thread.run_sync(
+            main, ["purge", "--url", database_url, "--batch-size", "100"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "purged 300 expired records" in out
+    assert "4 batches" in out
+    assert await count(store, "live-") == 10
+    await store.aclose()
+
+
+def test_cli_purge_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["purge", "--url", "nonsense"]) == 2
+    assert main(["purge", "--url", "postgresql://postgres@127.0.0.1:1/test"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2
+    assert all(line.startswith("idempotency-mw: ") for line in err)
+
+
+def test_cli_purge_on_redis(capsys: pytest.CaptureFixture[str]) -> None:
+    require_server(REDIS_URL)
+    assert main(["purge", "--url", REDIS_URL]) == 0
+    assert "nothing to purge" in capsys.readouterr().out
