@@ -8,9 +8,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from sqlalchemy import (
-    ColumnElement,
     Connection,
+    Row,
     and_,
+    bindparam,
     delete,
     event,
     func,
@@ -106,39 +107,65 @@ def _tune_sqlite(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _key_is(scope: str, key: str) -> ColumnElement[bool]:
-    return and_(records.c.scope == scope, records.c.key == key)
-
-
-def _owned(scope: str, key: str, token: str) -> ColumnElement[bool]:
-    return and_(
-        _key_is(scope, key),
-        records.c.token == token,
-        records.c.status == RecordStatus.IN_PROGRESS.value,
+# Statements are built once, with bound parameters, so SQLAlchemy compiles each only once.
+_NOW = _NowMs()
+_IN_PROGRESS = RecordStatus.IN_PROGRESS.value
+_KEY_IS = and_(records.c.scope == bindparam("p_scope"), records.c.key == bindparam("p_key"))
+_OWNED = and_(_KEY_IS, records.c.token == bindparam("p_token"), records.c.status == _IN_PROGRESS)
+#: Past its TTL and not held by a live lease.
+_EXPIRED = and_(
+    records.c.expires_at <= _NOW,
+    or_(records.c.status != _IN_PROGRESS, records.c.lease_expires_at <= _NOW),
+)
+#: Expired (any request may take it), or the same request's lease lapsed.
+_CAN_TAKE_OVER = or_(
+    _EXPIRED,
+    and_(
+        records.c.status == _IN_PROGRESS,
+        records.c.lease_expires_at <= _NOW,
+        records.c.request_hash == bindparam("p_fingerprint"),
+    ),
+)
+_NEW_RECORD: dict[str, Any] = {
+    "scope": bindparam("p_scope"),
+    "key": bindparam("p_key"),
+    "request_hash": bindparam("p_fingerprint"),
+    "status": _IN_PROGRESS,
+    "token": bindparam("p_token"),
+    "created_at": _NOW,
+    "lease_expires_at": _NOW + bindparam("p_lease_ms", type_=BigInteger),
+    "expires_at": _NOW + bindparam("p_ttl_ms", type_=BigInteger),
+    "response_status": None,
+    "response_headers": None,
+    "result_payload": None,
+}
+_READ = select(
+    records.c.request_hash,
+    records.c.status,
+    records.c.response_status,
+    records.c.response_headers,
+    records.c.result_payload,
+    _CAN_TAKE_OVER.label("free"),
+).where(_KEY_IS)
+_WINNER = select(records.c.token).where(_KEY_IS)
+_RENEW = (
+    update(records)
+    .where(_OWNED)
+    .values(lease_expires_at=_NOW + bindparam("p_lease_ms", type_=BigInteger))
+)
+_COMPLETE = (
+    update(records)
+    .where(_OWNED)
+    .values(
+        status=bindparam("p_status"),
+        response_status=bindparam("p_response_status"),
+        response_headers=bindparam("p_response_headers"),
+        result_payload=bindparam("p_result_payload"),
+        lease_expires_at=_NOW,
+        expires_at=_NOW + bindparam("p_ttl_ms", type_=BigInteger),
     )
-
-
-def _expired(now: _NowMs) -> ColumnElement[bool]:
-    """Past its TTL and not held by a live lease."""
-    return and_(
-        records.c.expires_at <= now,
-        or_(
-            records.c.status != RecordStatus.IN_PROGRESS.value,
-            records.c.lease_expires_at <= now,
-        ),
-    )
-
-
-def _can_take_over(fingerprint: str, now: _NowMs) -> ColumnElement[bool]:
-    """Expired (any request may take it), or the same request's lease lapsed."""
-    return or_(
-        _expired(now),
-        and_(
-            records.c.status == RecordStatus.IN_PROGRESS.value,
-            records.c.lease_expires_at <= now,
-            records.c.request_hash == fingerprint,
-        ),
-    )
+)
+_RELEASE = delete(records).where(_OWNED)
 
 
 class SQLStore:
@@ -167,7 +194,20 @@ class SQLStore:
             if url.get_backend_name() == "sqlite":
                 event.listen(self._engine.sync_engine, "connect", _tune_sqlite)
         self._operation_timeout = operation_timeout
-        self._upsert = _UPSERTS[self._engine.dialect.name]
+        dialect = self._engine.dialect.name
+        self._take = _TAKES[dialect]
+        # Single statements run in autocommit: no BEGIN/COMMIT round trips. Only MariaDB/MySQL's
+        # claim needs a transaction (its upsert cannot return the winner).
+        self._autocommit = self._engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._take_engine = (
+            self._engine if self._take is _TAKE_ON_DUPLICATE_KEY else self._autocommit
+        )
+        # READ COMMITTED spares MariaDB's purge gap locks that would stall concurrent claims.
+        self._purge_engine = (
+            self._autocommit
+            if dialect == "sqlite"
+            else self._engine.execution_options(isolation_level="READ COMMITTED")
+        )
 
     @property
     def engine(self) -> AsyncEngine:
@@ -178,85 +218,62 @@ class SQLStore:
         self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
     ) -> Claim:
         token = uuid.uuid4().hex
+        params = {
+            "p_scope": scope,
+            "p_key": key,
+            "p_fingerprint": fingerprint,
+            "p_token": token,
+            "p_ttl_ms": int(ttl * 1000),
+            "p_lease_ms": int(lease * 1000),
+        }
+        take = self._take
 
-        def claim_in(conn: Connection) -> Claim:
-            now = _NowMs()
-            conn.execute(
-                self._upsert(
-                    {
-                        "scope": scope,
-                        "key": key,
-                        "request_hash": fingerprint,
-                        "status": RecordStatus.IN_PROGRESS.value,
-                        "token": token,
-                        "created_at": now,
-                        "lease_expires_at": now + int(lease * 1000),
-                        "expires_at": now + int(ttl * 1000),
-                        "response_status": None,
-                        "response_headers": None,
-                        "result_payload": None,
-                    },
-                    _can_take_over(fingerprint, now),
-                )
-            )
-            # The upsert holds the row's lock (or the database's, on SQLite) until commit, so
-            # this read sees the record exactly as the upsert left it.
-            row = conn.execute(
-                select(
-                    records.c.token,
-                    records.c.request_hash,
-                    records.c.status,
-                    records.c.response_status,
-                    records.c.response_headers,
-                    records.c.result_payload,
-                ).where(_key_is(scope, key))
-            ).one()
-            if row.token == token:
+        def read(conn: Connection) -> Claim | None:
+            return _outcome_of(conn.execute(_READ, params).one_or_none(), fingerprint)
+
+        def take_over(conn: Connection) -> bool:
+            return take(conn, params)
+
+        # A record the read finds live decides the outcome without a write (a replay is one
+        # statement). Otherwise the atomic upsert decides; if another request won it in between,
+        # the next read sees that request's record.
+        for _ in range(3):
+            existing = await self._run(read)
+            if existing is not None:
+                return existing
+            if await self._run(take_over, self._take_engine):
                 return Claim(ClaimOutcome.ACQUIRED, token=token)
-            if row.request_hash != fingerprint:
-                return Claim(ClaimOutcome.MISMATCH)
-            if row.status == RecordStatus.COMPLETED.value:
-                response = StoredResponse(
-                    row.response_status, unpack_headers(row.response_headers), row.result_payload
-                )
-                return Claim(ClaimOutcome.REPLAY, response=response)
-            if row.status == RecordStatus.UNREPLAYABLE.value:
-                return Claim(ClaimOutcome.UNREPLAYABLE)
-            return Claim(ClaimOutcome.IN_PROGRESS)
-
-        return await self._transaction(claim_in)
+        raise StoreError(f"the record of a key kept changing while it was claimed ({TABLE_NAME})")
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
-        statement = (
-            update(records)
-            .where(_owned(scope, key, token))
-            .values(lease_expires_at=_NowMs() + int(lease * 1000))
-        )
-        return await self._changes_one_row(statement)
+        params = {"p_scope": scope, "p_key": key, "p_token": token, "p_lease_ms": int(lease * 1000)}
+        return await self._changes_one_row(_RENEW, params)
 
     async def complete(
         self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
     ) -> bool:
-        now = _NowMs()
-        outcome: dict[str, Any] = (
-            {"status": RecordStatus.UNREPLAYABLE.value}
-            if response is None
-            else {
-                "status": RecordStatus.COMPLETED.value,
-                "response_status": response.status,
-                "response_headers": pack_headers(response.headers),
-                "result_payload": response.body,
+        params: dict[str, Any] = {
+            "p_scope": scope,
+            "p_key": key,
+            "p_token": token,
+            "p_ttl_ms": int(ttl * 1000),
+            "p_status": RecordStatus.UNREPLAYABLE.value,
+            "p_response_status": None,
+            "p_response_headers": None,
+            "p_result_payload": None,
+        }
+        if response is not None:
+            params |= {
+                "p_status": RecordStatus.COMPLETED.value,
+                "p_response_status": response.status,
+                "p_response_headers": pack_headers(response.headers),
+                "p_result_payload": response.body,
             }
-        )
-        statement = (
-            update(records)
-            .where(_owned(scope, key, token))
-            .values(lease_expires_at=now, expires_at=now + int(ttl * 1000), **outcome)
-        )
-        return await self._changes_one_row(statement)
+        return await self._changes_one_row(_COMPLETE, params)
 
     async def release(self, scope: str, key: str, token: str) -> bool:
-        return await self._changes_one_row(delete(records).where(_owned(scope, key, token)))
+        params = {"p_scope": scope, "p_key": key, "p_token": token}
+        return await self._changes_one_row(_RELEASE, params)
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
         statement = _purge_statement(self._engine.dialect.name, batch_size)
@@ -264,7 +281,7 @@ class SQLStore:
         def purge(conn: Connection) -> int:
             return conn.execute(statement).rowcount
 
-        return await self._transaction(purge, isolation_level="READ COMMITTED")
+        return await self._run(purge, self._purge_engine)
 
     async def startup(self) -> None:
         def check(conn: Connection) -> None:
@@ -279,43 +296,61 @@ class SQLStore:
                     f"{MIGRATE_HINT}"
                 )
 
-        await self._transaction(check)
+        await self._run(check)
 
     async def aclose(self) -> None:
         if self._owns_engine:
             await self._engine.dispose()
 
-    async def _changes_one_row(self, statement: Any) -> bool:
+    async def _changes_one_row(self, statement: Any, params: dict[str, Any]) -> bool:
         def execute(conn: Connection) -> bool:
-            return conn.execute(statement).rowcount == 1
+            return conn.execute(statement, params).rowcount == 1
 
-        return await self._transaction(execute)
+        return await self._run(execute)
 
-    async def _transaction(
-        self, operation: Callable[[Connection], T], isolation_level: str | None = None
+    async def _run(
+        self, operation: Callable[[Connection], T], engine: AsyncEngine | None = None
     ) -> T:
-        """Run ``operation`` in one transaction; driver failures become StoreError."""
-        engine = self._engine
-        if isolation_level is not None and engine.dialect.name != "sqlite":
-            engine = engine.execution_options(isolation_level=isolation_level)
+        """Run ``operation`` on one connection (autocommit unless ``engine`` says otherwise).
+
+        Driver failures and timeouts become StoreError.
+        """
         try:
-            async with asyncio.timeout(self._operation_timeout), engine.begin() as conn:
+            async with (
+                asyncio.timeout(self._operation_timeout),
+                (engine or self._autocommit).begin() as conn,
+            ):
                 return await conn.run_sync(operation)
         except (SQLAlchemyError, OSError, TimeoutError) as exc:
             raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _outcome_of(row: Row[Any] | None, fingerprint: str) -> Claim | None:
+    """The outcome a live record decides, or ``None`` when the key is free to claim."""
+    if row is None or row.free:
+        return None
+    if row.request_hash != fingerprint:
+        return Claim(ClaimOutcome.MISMATCH)
+    if row.status == RecordStatus.COMPLETED.value:
+        headers = unpack_headers(row.response_headers)
+        response = StoredResponse(row.response_status, headers, row.result_payload)
+        return Claim(ClaimOutcome.REPLAY, response=response)
+    if row.status == RecordStatus.UNREPLAYABLE.value:
+        return Claim(ClaimOutcome.UNREPLAYABLE)
+    return Claim(ClaimOutcome.IN_PROGRESS)
 
 
 def _purge_statement(dialect: str, batch_size: int) -> Any:
     """Delete at most ``batch_size`` expired rows, oldest first, in one statement."""
     if dialect in ("mysql", "mariadb"):
         # MariaDB takes no LIMIT in an IN subquery, but a single-table DELETE takes one.
-        expired = delete(records).where(_expired(_NowMs()))
+        expired = delete(records).where(_EXPIRED)
         return expired.with_dialect_options(mysql_limit=batch_size)
     # SKIP LOCKED lets concurrent purgers and claims pass each other on PostgreSQL instead of
     # waiting or deadlocking; SQLite, one writer at a time, ignores it.
     batch = (
         select(records.c.scope, records.c.key)
-        .where(_expired(_NowMs()))
+        .where(_EXPIRED)
         .order_by(records.c.expires_at)
         .limit(batch_size)
         .with_for_update(skip_locked=True)
@@ -323,40 +358,52 @@ def _purge_statement(dialect: str, batch_size: int) -> Any:
     return delete(records).where(tuple_(records.c.scope, records.c.key).in_(batch))
 
 
-Upsert = Callable[[dict[str, Any], ColumnElement[bool]], Any]
+Take = Callable[[Connection, dict[str, Any]], bool]
 
 
-def _upsert_on_conflict(dialect: Any) -> Upsert:
-    def upsert(values: dict[str, Any], take_over: ColumnElement[bool]) -> Any:
-        statement = dialect.insert(records).values(values)
-        return statement.on_conflict_do_update(
-            index_elements=[records.c.scope, records.c.key],
-            set_={
-                name: statement.excluded[name] for name in values if name not in ("scope", "key")
-            },
-            where=take_over,
-        )
+def _take_returning(dialect: Any) -> Take:
+    """INSERT ... ON CONFLICT DO UPDATE ... WHERE ... RETURNING: one atomic statement."""
+    insert = dialect.insert(records).values(_NEW_RECORD)
+    statement = insert.on_conflict_do_update(
+        index_elements=[records.c.scope, records.c.key],
+        set_={name: insert.excluded[name] for name in _NEW_RECORD if name not in _KEY},
+        where=_CAN_TAKE_OVER,
+    ).returning(records.c.token)
 
-    return upsert
+    def take(conn: Connection, params: dict[str, Any]) -> bool:
+        return bool(conn.execute(statement, params).scalar_one_or_none() == params["p_token"])
+
+    return take
 
 
-def _upsert_on_duplicate_key(values: dict[str, Any], take_over: ColumnElement[bool]) -> Any:
+def _take_on_duplicate_key() -> Take:
     # MySQL has no WHERE on ON DUPLICATE KEY UPDATE and applies assignments left to right:
     # the token is decided first, and every other column follows whether the token changed.
-    statement = mysql.insert(records).values(values)
-    new = statement.inserted
-    assignments: list[tuple[str, Any]] = [("token", func.IF(take_over, new.token, records.c.token))]
+    # Without RETURNING, a read in the same transaction (the row stays locked) tells the winner.
+    insert = mysql.insert(records).values(_NEW_RECORD)
+    new = insert.inserted
+    assignments: list[tuple[str, Any]] = [
+        ("token", func.IF(_CAN_TAKE_OVER, new.token, records.c.token))
+    ]
     assignments += [
         (name, func.IF(records.c.token == new.token, new[name], records.c[name]))
-        for name in values
-        if name not in ("scope", "key", "token")
+        for name in _NEW_RECORD
+        if name not in (*_KEY, "token")
     ]
-    return statement.on_duplicate_key_update(assignments)
+    upsert = insert.on_duplicate_key_update(assignments)
+
+    def take(conn: Connection, params: dict[str, Any]) -> bool:
+        conn.execute(upsert, params)
+        return bool(conn.execute(_WINNER, params).scalar_one() == params["p_token"])
+
+    return take
 
 
-_UPSERTS: dict[str, Upsert] = {
-    "sqlite": _upsert_on_conflict(sqlite),
-    "postgresql": _upsert_on_conflict(postgresql),
-    "mysql": _upsert_on_duplicate_key,
-    "mariadb": _upsert_on_duplicate_key,
+_KEY = ("scope", "key")
+_TAKE_ON_DUPLICATE_KEY = _take_on_duplicate_key()
+_TAKES: dict[str, Take] = {
+    "sqlite": _take_returning(sqlite),
+    "postgresql": _take_returning(postgresql),
+    "mysql": _TAKE_ON_DUPLICATE_KEY,
+    "mariadb": _TAKE_ON_DUPLICATE_KEY,
 }
