@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw import RedisStore, SQLStore, Store
 from idempotency_mw.stores.schema import metadata
@@ -71,6 +71,14 @@ async def fresh_sql_store(url: str) -> SQLStore:
         await conn.execute(text("DELETE FROM idempotency_records"))
     await engine.dispose()
     return SQLStore(url)
+
+
+@pytest.fixture
+async def sql_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    """An engine of the test's own on the database of ``database_url``."""
+    engine = create_async_engine(async_url(database_url))
+    yield engine
+    await engine.dispose()
 
 
 @pytest.fixture

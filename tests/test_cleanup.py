@@ -10,12 +10,14 @@ import anyio
 import pytest
 from asgi_lifespan import LifespanManager
 from sqlalchemy import func, insert, select
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw import ClaimOutcome, RedisStore, SQLStore, StoredResponse
 from idempotency_mw.cleanup import PurgeSchedule, background_purge, purge
 from idempotency_mw.cli import main
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.stores.schema import records
+from idempotency_mw.stores.sql import async_url
 from tests.apps import make_app
 from tests.conftest import REDIS_URL, fresh_sql_store, require_server
 
@@ -25,7 +27,7 @@ EXPIRED = 100_000
 LIVE = 1_000
 
 
-async def fill(store: SQLStore, *, expired: int, live: int) -> None:
+async def fill(engine: AsyncEngine, *, expired: int, live: int) -> None:
     """Rows past their TTL, rows still live, and in-progress rows that must survive."""
     now = int(time.time() * 1000)
     hour = 3_600_000
@@ -49,13 +51,13 @@ async def fill(store: SQLStore, *, expired: int, live: int) -> None:
     rows += [row(f"live-{i}", "completed", now, now + hour) for i in range(live)]
     # In progress past its TTL but within its lease: a running request, never purged.
     rows.append(row("running", "in_progress", now + hour, now - hour))
-    async with store.engine.begin() as conn:
+    async with engine.begin() as conn:
         for start in range(0, len(rows), 10_000):
             await conn.execute(insert(records), rows[start : start + 10_000])
 
 
-async def count(store: SQLStore, prefix: str) -> int:
-    async with store.engine.connect() as conn:
+async def count(engine: AsyncEngine, prefix: str) -> int:
+    async with engine.connect() as conn:
         result = await conn.execute(
             select(func.count()).select_from(records).where(records.c.key.like(f"{prefix}%"))
         )
@@ -63,20 +65,22 @@ async def count(store: SQLStore, prefix: str) -> int:
 
 
 async def test_purge_deletes_expired_rows_in_batches_and_keeps_the_rest(
-    sql_store: SQLStore,
+    sql_store: SQLStore, sql_engine: AsyncEngine
 ) -> None:
-    await fill(sql_store, expired=EXPIRED, live=LIVE)
+    await fill(sql_engine, expired=EXPIRED, live=LIVE)
     report = await purge(sql_store, batch_size=5_000)
     assert report.deleted == EXPIRED
     assert report.batches == EXPIRED // 5_000 + 1
-    assert await count(sql_store, "old-") == 0
-    assert await count(sql_store, "live-") == LIVE
-    assert await count(sql_store, "running") == 1
+    assert await count(sql_engine, "old-") == 0
+    assert await count(sql_engine, "live-") == LIVE
+    assert await count(sql_engine, "running") == 1
 
 
-async def test_two_purges_at_once_both_finish_cleanly(sql_store: SQLStore) -> None:
-    await fill(sql_store, expired=EXPIRED // 2, live=LIVE)
-    second = SQLStore(sql_store.engine)
+async def test_two_purges_at_once_both_finish_cleanly(
+    sql_store: SQLStore, sql_engine: AsyncEngine, database_url: str
+) -> None:
+    await fill(sql_engine, expired=EXPIRED // 2, live=LIVE)
+    second = SQLStore(database_url)
     reports = []
 
     async def run(store: SQLStore) -> None:
@@ -85,12 +89,13 @@ async def test_two_purges_at_once_both_finish_cleanly(sql_store: SQLStore) -> No
     async with anyio.create_task_group() as group:
         group.start_soon(run, sql_store)
         group.start_soon(run, second)
+    await second.aclose()
     # A purger stops at a short batch, which rows held by the other can cause: one more
     # round finds whatever is left.
     reports.append(await purge(sql_store, batch_size=2_000))
     assert sum(r.deleted for r in reports) == EXPIRED // 2
-    assert await count(sql_store, "old-") == 0
-    assert await count(sql_store, "live-") == LIVE
+    assert await count(sql_engine, "old-") == 0
+    assert await count(sql_engine, "live-") == LIVE
 
 
 async def test_purge_does_not_touch_a_running_claim(sql_store: SQLStore) -> None:
@@ -114,18 +119,18 @@ async def test_redis_needs_no_purge() -> None:
 
 
 async def test_background_purge_runs_in_the_apps_lifespan(
-    sql_store: SQLStore, caplog: pytest.LogCaptureFixture
+    sql_store: SQLStore, sql_engine: AsyncEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    await fill(sql_store, expired=50, live=5)
+    await fill(sql_engine, expired=50, live=5)
     app = make_app(sql_store, purge=PurgeSchedule(interval=0.1, jitter=0.5))
     with caplog.at_level(logging.INFO, logger="idempotency_mw"):
         async with LifespanManager(app):
             for _ in range(50):
-                if await count(sql_store, "old-") == 0:
+                if await count(sql_engine, "old-") == 0:
                     break
                 await anyio.sleep(0.05)
-    assert await count(sql_store, "old-") == 0
-    assert await count(sql_store, "live-") == 5
+    assert await count(sql_engine, "old-") == 0
+    assert await count(sql_engine, "live-") == 5
     assert "purged 50 expired idempotency records" in caplog.text
 
 
@@ -148,7 +153,8 @@ def test_schedule_is_validated() -> None:
 
 async def test_cli_purge(database_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     store = await fresh_sql_store(database_url)
-    await fill(store, expired=300, live=10)
+    engine = create_async_engine(async_url(database_url))
+    await fill(engine, expired=300, live=10)
     assert (
         await anyio.to_thread.run_sync(
             main, ["purge", "--url", database_url, "--batch-size", "100"]
@@ -158,7 +164,8 @@ async def test_cli_purge(database_url: str, capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     assert "purged 300 expired records" in out
     assert "4 batches" in out
-    assert await count(store, "live-") == 10
+    assert await count(engine, "live-") == 10
+    await engine.dispose()
     await store.aclose()
 
 

@@ -310,9 +310,9 @@ class FlakyStore(SQLStore):
 
 @pytest.mark.anyio
 async def test_store_unavailable_503_is_retried_after_retry_after(
-    sqlite_store: SQLStore, journal_path: Path, fake_time: FakeTime
+    sqlite_store: SQLStore, journal_path: Path, fake_time: FakeTime, tmp_path: Path
 ) -> None:
-    server = Server(FlakyStore(sqlite_store.engine))
+    server = Server(FlakyStore(f"sqlite:///{tmp_path / 'idem.db'}"))
     transport = Faulty(server.app)
     client = make_client(transport, journal_path, fake_time)
     try:

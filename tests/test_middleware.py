@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -349,11 +350,12 @@ async def test_crashed_worker_lease_lapses_then_retry_takes_over(store: Store) -
 
 
 async def test_long_handler_keeps_its_lease(store: Store) -> None:
-    app = make_app(store, lease=0.3)
-    app.state.hold_seconds = 1.0
+    app = make_app(store, lease=0.6)
+    app.state.hold_seconds = 2.0
     async with client_for(app) as client, anyio.create_task_group() as group:
         group.start_soon(partial(client.post, "/slow", headers=key("k")))
-        await anyio.sleep(0.7)
+        # Well past the first lease: only renewals keep the key.
+        await anyio.sleep(1.4)
         during = await client.post("/slow", headers=key("k"))
     assert during.status_code == 409
     assert app.state.calls["slow"] == 1
@@ -507,10 +509,11 @@ async def test_startup_fails_with_the_command_to_run_when_the_table_is_missing(
 
 
 async def test_startup_fails_when_the_table_is_out_of_date(tmp_path: Any) -> None:
-    url = f"sqlite:///{tmp_path / 'old.db'}"
-    store = SQLStore(url)
-    async with store.engine.begin() as conn:
-        await conn.exec_driver_sql("CREATE TABLE idempotency_records (scope TEXT, key TEXT)")
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE idempotency_records (scope TEXT, key TEXT)")
+    conn.close()
+    store = SQLStore(f"sqlite:///{path}")
     app = make_app(store)
     with pytest.raises(SchemaError, match="out of date"):
         async with LifespanManager(app):

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import (
     Connection,
-    Row,
     and_,
     bindparam,
     delete,
-    event,
     func,
     inspect,
     or_,
@@ -26,9 +24,10 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import FunctionElement
-from sqlalchemy.types import BigInteger
+from sqlalchemy.types import BigInteger, Integer
 
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError
 from idempotency_mw.records import (
@@ -39,6 +38,7 @@ from idempotency_mw.records import (
     pack_headers,
     unpack_headers,
 )
+from idempotency_mw.stores.drivers import AsyncpgDriver, Driver, SQLAlchemyDriver, SQLiteDriver
 from idempotency_mw.stores.schema import TABLE_NAME, records
 
 T = TypeVar("T")
@@ -95,16 +95,6 @@ def async_url(url: str | URL) -> URL:
     if "+" in parsed.drivername and parsed.get_driver_name() in _ASYNC_DRIVER_NAMES:
         return parsed
     return parsed.set(drivername=f"{backend}+{ASYNC_DRIVERS[backend]}")
-
-
-def _tune_sqlite(dbapi_connection: Any, _record: Any) -> None:
-    # WAL lets readers and one writer work at once across processes; a busy timeout makes
-    # concurrent writers wait for the lock instead of failing with "database is locked".
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA busy_timeout=30000")
-    cursor.close()
 
 
 # Statements are built once, with bound parameters, so SQLAlchemy compiles each only once.
@@ -172,47 +162,26 @@ class SQLStore:
     """Idempotency records in the ``idempotency_records`` table of a SQL database.
 
     ``database`` is a SQLAlchemy URL (with or without an async driver name) or an
-    :class:`~sqlalchemy.ext.asyncio.AsyncEngine`. The store disposes only an engine it created.
-    SQLite databases it opens get WAL and a busy timeout, so several worker processes can share
-    one file. ``operation_timeout`` bounds every database call (seconds).
+    :class:`~sqlalchemy.ext.asyncio.AsyncEngine`, which the store never disposes. From a URL the
+    store picks the fastest safe driver: asyncpg for PostgreSQL, the standard library's sqlite3
+    for a SQLite file (WAL and a busy timeout, so several worker processes can share it), and
+    SQLAlchemy's async engine otherwise. ``operation_timeout`` bounds every database call
+    (seconds).
     """
 
     def __init__(
-        self,
-        database: str | URL | AsyncEngine,
-        *,
-        operation_timeout: float = 10.0,
-        engine_options: Mapping[str, Any] | None = None,
+        self, database: str | URL | AsyncEngine, *, operation_timeout: float = 10.0
     ) -> None:
-        if isinstance(database, AsyncEngine):
-            self._engine = database
-            self._owns_engine = False
-        else:
-            url = async_url(database)
-            self._engine = create_async_engine(url, **(engine_options or {}))
-            self._owns_engine = True
-            if url.get_backend_name() == "sqlite":
-                event.listen(self._engine.sync_engine, "connect", _tune_sqlite)
+        self._driver = _driver_for(database)
         self._operation_timeout = operation_timeout
-        dialect = self._engine.dialect.name
+        self._errors: tuple[type[Exception], ...] = (
+            *self._driver.errors,
+            OSError,
+            TimeoutError,
+        )
+        dialect = self._driver.dialect_name
         self._take = _TAKES[dialect]
-        # Single statements run in autocommit: no BEGIN/COMMIT round trips. Only MariaDB/MySQL's
-        # claim needs a transaction (its upsert cannot return the winner).
-        self._autocommit = self._engine.execution_options(isolation_level="AUTOCOMMIT")
-        self._take_engine = (
-            self._engine if self._take is _TAKE_ON_DUPLICATE_KEY else self._autocommit
-        )
-        # READ COMMITTED spares MariaDB's purge gap locks that would stall concurrent claims.
-        self._purge_engine = (
-            self._autocommit
-            if dialect == "sqlite"
-            else self._engine.execution_options(isolation_level="READ COMMITTED")
-        )
-
-    @property
-    def engine(self) -> AsyncEngine:
-        """The engine the store runs on."""
-        return self._engine
+        self._purge = _PURGES[dialect]
 
     async def claim(
         self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
@@ -226,28 +195,21 @@ class SQLStore:
             "p_ttl_ms": int(ttl * 1000),
             "p_lease_ms": int(lease * 1000),
         }
-        take = self._take
-
-        def read(conn: Connection) -> Claim | None:
-            return _outcome_of(conn.execute(_READ, params).one_or_none(), fingerprint)
-
-        def take_over(conn: Connection) -> bool:
-            return take(conn, params)
-
         # A record the read finds live decides the outcome without a write (a replay is one
         # statement). Otherwise the atomic upsert decides; if another request won it in between,
         # the next read sees that request's record.
         for _ in range(3):
-            existing = await self._run(read)
+            rows = await self._call(self._driver.fetch(_READ, params))
+            existing = _outcome_of(rows[0] if rows else None, fingerprint)
             if existing is not None:
                 return existing
-            if await self._run(take_over, self._take_engine):
+            if await self._call(self._take(self._driver, params)):
                 return Claim(ClaimOutcome.ACQUIRED, token=token)
         raise StoreError(f"the record of a key kept changing while it was claimed ({TABLE_NAME})")
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
         params = {"p_scope": scope, "p_key": key, "p_token": token, "p_lease_ms": int(lease * 1000)}
-        return await self._changes_one_row(_RENEW, params)
+        return await self._call(self._driver.change(_RENEW, params)) == 1
 
     async def complete(
         self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
@@ -269,19 +231,17 @@ class SQLStore:
                 "p_response_headers": pack_headers(response.headers),
                 "p_result_payload": response.body,
             }
-        return await self._changes_one_row(_COMPLETE, params)
+        return await self._call(self._driver.change(_COMPLETE, params)) == 1
 
     async def release(self, scope: str, key: str, token: str) -> bool:
         params = {"p_scope": scope, "p_key": key, "p_token": token}
-        return await self._changes_one_row(_RELEASE, params)
+        return await self._call(self._driver.change(_RELEASE, params)) == 1
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
-        statement = _purge_statement(self._engine.dialect.name, batch_size)
-
-        def purge(conn: Connection) -> int:
-            return conn.execute(statement).rowcount
-
-        return await self._run(purge, self._purge_engine)
+        # READ COMMITTED spares MariaDB's purge gap locks that would stall concurrent claims.
+        statement, params = self._purge(batch_size)
+        purged = self._driver.change(statement, params, isolation_level="READ COMMITTED")
+        return await self._call(purged)
 
     async def startup(self) -> None:
         def check(conn: Connection) -> None:
@@ -296,69 +256,86 @@ class SQLStore:
                     f"{MIGRATE_HINT}"
                 )
 
-        await self._run(check)
+        await self._call(self._driver.run_sync(check, transaction=False))
 
     async def aclose(self) -> None:
-        if self._owns_engine:
-            await self._engine.dispose()
+        await self._driver.aclose()
 
-    async def _changes_one_row(self, statement: Any, params: dict[str, Any]) -> bool:
-        def execute(conn: Connection) -> bool:
-            return conn.execute(statement, params).rowcount == 1
-
-        return await self._run(execute)
-
-    async def _run(
-        self, operation: Callable[[Connection], T], engine: AsyncEngine | None = None
-    ) -> T:
-        """Run ``operation`` on one connection (autocommit unless ``engine`` says otherwise).
-
-        Driver failures and timeouts become StoreError.
-        """
+    async def _call(self, operation: Awaitable[T]) -> T:
+        """Await a driver call within the operation timeout; its failures become StoreError."""
         try:
-            async with (
-                asyncio.timeout(self._operation_timeout),
-                (engine or self._autocommit).begin() as conn,
-            ):
-                return await conn.run_sync(operation)
-        except (SQLAlchemyError, OSError, TimeoutError) as exc:
+            async with asyncio.timeout(self._operation_timeout):
+                return await operation
+        except self._errors as exc:
             raise StoreError(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _outcome_of(row: Row[Any] | None, fingerprint: str) -> Claim | None:
-    """The outcome a live record decides, or ``None`` when the key is free to claim."""
-    if row is None or row.free:
+def _driver_for(database: str | URL | AsyncEngine) -> Driver:
+    if isinstance(database, AsyncEngine):
+        return SQLAlchemyDriver(database, owned=False)
+    url = async_url(database)
+    backend, driver = url.get_backend_name(), url.get_driver_name()
+    if backend == "sqlite" and url.database not in (None, "", ":memory:"):
+        return SQLiteDriver(url)
+    if backend == "postgresql" and driver == "asyncpg":
+        return AsyncpgDriver(url)
+    # An in-memory SQLite database exists once per connection: keep one connection.
+    options: dict[str, Any] = {"poolclass": StaticPool} if backend == "sqlite" else {}
+    return SQLAlchemyDriver(create_async_engine(url, **options), owned=True)
+
+
+def _outcome_of(row: Sequence[Any] | None, fingerprint: str) -> Claim | None:
+    """The outcome a live record decides (a row of ``_READ``), or ``None`` if the key is free."""
+    if row is None:
         return None
-    if row.request_hash != fingerprint:
+    request_hash, status, response_status, response_headers, result_payload, free = row
+    if free:
+        return None
+    if request_hash != fingerprint:
         return Claim(ClaimOutcome.MISMATCH)
-    if row.status == RecordStatus.COMPLETED.value:
-        headers = unpack_headers(row.response_headers)
-        response = StoredResponse(row.response_status, headers, row.result_payload)
+    if status == RecordStatus.COMPLETED.value:
+        response = StoredResponse(
+            response_status, unpack_headers(response_headers), bytes(result_payload)
+        )
         return Claim(ClaimOutcome.REPLAY, response=response)
-    if row.status == RecordStatus.UNREPLAYABLE.value:
+    if status == RecordStatus.UNREPLAYABLE.value:
         return Claim(ClaimOutcome.UNREPLAYABLE)
     return Claim(ClaimOutcome.IN_PROGRESS)
 
 
-def _purge_statement(dialect: str, batch_size: int) -> Any:
-    """Delete at most ``batch_size`` expired rows, oldest first, in one statement."""
-    if dialect in ("mysql", "mariadb"):
-        # MariaDB takes no LIMIT in an IN subquery, but a single-table DELETE takes one.
-        expired = delete(records).where(_EXPIRED)
-        return expired.with_dialect_options(mysql_limit=batch_size)
-    # SKIP LOCKED lets concurrent purgers and claims pass each other on PostgreSQL instead of
-    # waiting or deadlocking; SQLite, one writer at a time, ignores it.
-    batch = (
+_BATCH = bindparam("p_batch_size", type_=Integer)
+# SKIP LOCKED lets concurrent purgers and claims pass each other on PostgreSQL instead of
+# waiting or deadlocking; SQLite, one writer at a time, ignores it.
+_PURGE_OLDEST = delete(records).where(
+    tuple_(records.c.scope, records.c.key).in_(
         select(records.c.scope, records.c.key)
         .where(_EXPIRED)
         .order_by(records.c.expires_at)
-        .limit(batch_size)
+        .limit(_BATCH)
         .with_for_update(skip_locked=True)
     )
-    return delete(records).where(tuple_(records.c.scope, records.c.key).in_(batch))
+)
+Purge = Callable[[int], tuple[Any, dict[str, Any]]]
 
 
-Take = Callable[[Connection, dict[str, Any]], bool]
+def _purge_oldest(batch_size: int) -> tuple[Any, dict[str, Any]]:
+    return _PURGE_OLDEST, {"p_batch_size": batch_size}
+
+
+def _purge_limited(batch_size: int) -> tuple[Any, dict[str, Any]]:
+    # MariaDB takes no LIMIT in an IN subquery, but a single-table DELETE takes one (a number).
+    return delete(records).where(_EXPIRED).with_dialect_options(mysql_limit=batch_size), {}
+
+
+_PURGES: dict[str, Purge] = {
+    "sqlite": _purge_oldest,
+    "postgresql": _purge_oldest,
+    "mysql": _purge_limited,
+    "mariadb": _purge_limited,
+}
+
+
+Take = Callable[[Driver, dict[str, Any]], Awaitable[bool]]
 
 
 def _take_returning(dialect: Any) -> Take:
@@ -370,8 +347,9 @@ def _take_returning(dialect: Any) -> Take:
         where=_CAN_TAKE_OVER,
     ).returning(records.c.token)
 
-    def take(conn: Connection, params: dict[str, Any]) -> bool:
-        return bool(conn.execute(statement, params).scalar_one_or_none() == params["p_token"])
+    async def take(driver: Driver, params: dict[str, Any]) -> bool:
+        rows = await driver.fetch(statement, params)
+        return bool(rows) and rows[0][0] == params["p_token"]
 
     return take
 
@@ -392,9 +370,12 @@ def _take_on_duplicate_key() -> Take:
     ]
     upsert = insert.on_duplicate_key_update(assignments)
 
-    def take(conn: Connection, params: dict[str, Any]) -> bool:
-        conn.execute(upsert, params)
-        return bool(conn.execute(_WINNER, params).scalar_one() == params["p_token"])
+    async def take(driver: Driver, params: dict[str, Any]) -> bool:
+        def in_transaction(conn: Connection) -> bool:
+            conn.execute(upsert, params)
+            return bool(conn.execute(_WINNER, params).scalar_one() == params["p_token"])
+
+        return await driver.run_sync(in_transaction, transaction=True)
 
     return take
 

@@ -1,0 +1,314 @@
+"""How SQLStore's statements reach the database: the fastest safe driver for each backend.
+
+Every driver runs the same SQLAlchemy Core statements. The generic one goes through an
+``AsyncEngine``; the fast ones compile each statement once with SQLAlchemy and hand the SQL
+straight to the driver: asyncpg for PostgreSQL, and the standard library's sqlite3 for SQLite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar, cast
+
+from sqlalchemy import Connection, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Dialect
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import Executable
+
+T = TypeVar("T")
+Rows = Sequence[Sequence[Any]]
+#: Commits between two WAL checkpoints, which the worker thread runs off the event loop.
+_CHECKPOINT_EVERY = 1000
+
+
+class Driver(Protocol):
+    """What SQLStore needs from a database connection."""
+
+    dialect_name: str
+    #: Exceptions that mean "the database failed" (wrapped into StoreError by the store).
+    errors: tuple[type[Exception], ...]
+
+    async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
+        """Rows of one statement, run on its own (autocommit)."""
+        ...
+
+    async def change(
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        isolation_level: str = "AUTOCOMMIT",
+    ) -> int:
+        """Rows changed by one statement."""
+        ...
+
+    async def run_sync(self, operation: Callable[[Connection], T], *, transaction: bool) -> T:
+        """``operation`` on a SQLAlchemy connection (in one transaction if asked)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close what the driver opened."""
+        ...
+
+
+class _Compiled:
+    """A statement compiled once for a dialect, with its parameters in driver order."""
+
+    def __init__(self, statement: Executable, dialect: Dialect) -> None:
+        compiled = cast(SQLCompiler, cast(ClauseElement, statement).compile(dialect=dialect))
+        self.sql = str(compiled)
+        self._names = tuple(compiled.positiontup or ())
+        self._defaults = compiled.params
+
+    def args(self, params: Mapping[str, Any]) -> tuple[Any, ...]:
+        return tuple(
+            params[name] if name in params else self._defaults[name] for name in self._names
+        )
+
+
+class _CompileCache:
+    def __init__(self, dialect: Dialect) -> None:
+        self._dialect = dialect
+        self._compiled: dict[int, tuple[Executable, _Compiled]] = {}
+
+    def __call__(self, statement: Executable) -> _Compiled:
+        # Keyed by identity: the store's statements are module-level and live forever; the
+        # statement is kept in the entry so its id is never reused by another object.
+        entry = self._compiled.get(id(statement))
+        if entry is None:
+            entry = (statement, _Compiled(statement, self._dialect))
+            self._compiled[id(statement)] = entry
+        return entry[1]
+
+
+class SQLAlchemyDriver:
+    """Any dialect through an AsyncEngine; the engine is disposed only if ``owned``."""
+
+    errors: tuple[type[Exception], ...] = (SQLAlchemyError,)
+
+    def __init__(self, engine: AsyncEngine, *, owned: bool) -> None:
+        self.engine = engine
+        self.dialect_name = engine.dialect.name
+        self._owned = owned
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
+        async with self._autocommit.connect() as conn:
+            result = await conn.execute(statement, params)
+            return list(result.all())
+
+    async def change(
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        isolation_level: str = "AUTOCOMMIT",
+    ) -> int:
+        engine = self.engine.execution_options(isolation_level=isolation_level)
+        async with engine.begin() as conn:
+            result = await conn.execute(statement, params)
+            return int(result.rowcount)
+
+    async def run_sync(self, operation: Callable[[Connection], T], *, transaction: bool) -> T:
+        async with (self.engine if transaction else self._autocommit).begin() as conn:
+            return await conn.run_sync(operation)
+
+    async def aclose(self) -> None:
+        if self._owned:
+            await self.engine.dispose()
+
+
+class AsyncpgDriver:
+    """PostgreSQL through an asyncpg pool, statements prepared once per connection."""
+
+    def __init__(self, url: URL) -> None:
+        import asyncpg
+
+        self.dialect_name = "postgresql"
+        self.errors: tuple[type[Exception], ...] = (
+            asyncpg.PostgresError,
+            asyncpg.InterfaceError,
+            SQLAlchemyError,
+        )
+        self._url = url
+        self._compile = _CompileCache(postgresql.asyncpg.dialect())  # type: ignore[no-untyped-call]
+        self._pool: Any = None
+        self._opening = asyncio.Lock()
+        self._engine: AsyncEngine | None = None
+
+    async def _connections(self) -> Any:
+        if self._pool is None:
+            import asyncpg
+
+            async with self._opening:
+                if self._pool is None:
+                    dsn = self._url.set(drivername="postgresql").render_as_string(False)
+                    self._pool = await asyncpg.create_pool(dsn, min_size=1, max_size=10)
+        return self._pool
+
+    async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
+        compiled = self._compile(statement)
+        pool = await self._connections()
+        rows: Rows = await pool.fetch(compiled.sql, *compiled.args(params))
+        return rows
+
+    async def change(
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        isolation_level: str = "AUTOCOMMIT",
+    ) -> int:
+        # Every statement outside a transaction runs in READ COMMITTED on PostgreSQL.
+        compiled = self._compile(statement)
+        pool = await self._connections()
+        status: str = await pool.execute(compiled.sql, *compiled.args(params))
+        return int(status.rsplit(" ", 1)[-1])
+
+    async def run_sync(self, operation: Callable[[Connection], T], *, transaction: bool) -> T:
+        if self._engine is None:
+            self._engine = create_async_engine(self._url, poolclass=NullPool)
+        engine = (
+            self._engine
+            if transaction
+            else self._engine.execution_options(isolation_level="AUTOCOMMIT")
+        )
+        async with engine.begin() as conn:
+            return await conn.run_sync(operation)
+
+    async def aclose(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+        if self._engine is not None:
+            await self._engine.dispose()
+
+
+class SQLiteDriver:
+    """A SQLite file through the standard library's driver.
+
+    Statements run on the event loop itself on a connection that never waits for a lock
+    (busy timeout 0): tens of microseconds, less than one hop to a thread. When another
+    connection holds the write lock, the statement runs instead in one worker thread whose
+    connection waits for it. WAL checkpoints, which write to disk, also run in that thread.
+    """
+
+    errors: tuple[type[Exception], ...] = (sqlite3.Error, SQLAlchemyError)
+
+    def __init__(self, url: URL, *, busy_timeout: float = 30.0) -> None:
+        self.dialect_name = "sqlite"
+        self._path = url.database or ""
+        self._sync_url = url.set(drivername="sqlite+pysqlite")
+        self._busy_ms = int(busy_timeout * 1000)
+        self._compile = _CompileCache(sqlite.pysqlite.dialect())
+        self._loop_connection: sqlite3.Connection | None = None
+        self._worker_connection: sqlite3.Connection | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._commits = 0
+
+    def _connect(self, busy_ms: int, checkpoints: bool) -> sqlite3.Connection:
+        connection = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        tune_sqlite(connection, busy_ms=busy_ms, checkpoints=checkpoints)
+        return connection
+
+    @property
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="idempotency-mw-sqlite")
+        return self._executor
+
+    def _on_loop(self) -> sqlite3.Connection:
+        if self._loop_connection is None:
+            self._loop_connection = self._connect(0, checkpoints=False)
+        return self._loop_connection
+
+    def _in_worker(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Cursor:
+        if self._worker_connection is None:
+            self._worker_connection = self._connect(self._busy_ms, checkpoints=True)
+        return self._worker_connection.execute(sql, args)
+
+    async def _execute(self, statement: Executable, params: Mapping[str, Any]) -> Any:
+        compiled = self._compile(statement)
+        args = compiled.args(params)
+        try:
+            cursor = self._on_loop().execute(compiled.sql, args)
+            return cursor.fetchall(), cursor.rowcount
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                raise
+
+        def run() -> tuple[Rows, int]:
+            cursor = self._in_worker(compiled.sql, args)
+            return cursor.fetchall(), cursor.rowcount
+
+        return await asyncio.get_running_loop().run_in_executor(self._worker, run)
+
+    async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
+        rows: Rows = (await self._execute(statement, params))[0]
+        return rows
+
+    async def change(
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        isolation_level: str = "AUTOCOMMIT",
+    ) -> int:
+        count: int = (await self._execute(statement, params))[1]
+        self._commits += 1
+        if self._commits % _CHECKPOINT_EVERY == 0:
+            self._worker.submit(self._checkpoint)
+        return count
+
+    def _checkpoint(self) -> None:
+        # Failing means another connection is checkpointing; the next round catches up.
+        with contextlib.suppress(sqlite3.Error):
+            self._in_worker("PRAGMA wal_checkpoint(PASSIVE)", ())
+
+    async def run_sync(self, operation: Callable[[Connection], T], *, transaction: bool) -> T:
+        def run() -> T:
+            engine = create_engine(self._sync_url, poolclass=NullPool)
+            event.listen(engine, "connect", lambda conn, _: tune_sqlite(conn, self._busy_ms, True))
+            try:
+                with engine.begin() as conn:
+                    return operation(conn)
+            finally:
+                engine.dispose()
+
+        return await asyncio.get_running_loop().run_in_executor(self._worker, run)
+
+    async def aclose(self) -> None:
+        """Close both connections; the driver opens new ones if it is used again."""
+        if self._executor is not None:
+
+            def close() -> None:
+                if self._worker_connection is not None:
+                    self._worker_connection.close()
+                    self._worker_connection = None
+
+            await asyncio.get_running_loop().run_in_executor(self._executor, close)
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._loop_connection is not None:
+            self._loop_connection.close()
+            self._loop_connection = None
+
+
+def tune_sqlite(connection: Any, busy_ms: int, checkpoints: bool) -> None:
+    """WAL, so readers and one writer work at once across processes; a busy timeout."""
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
+    if not checkpoints:
+        cursor.execute("PRAGMA wal_autocheckpoint=0")
+    cursor.close()
