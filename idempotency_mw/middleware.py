@@ -311,22 +311,36 @@ class _Exchange:
         )
 
     async def _execute(self, body: bytes, token: str) -> None:
+        settled = False
+
+        async def settle(recorder: _ResponseRecorder) -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                with anyio.CancelScope(shield=True):
+                    await self._settle(token, recorder)
+
         recorder = _ResponseRecorder(
-            self.send, self.mw._max_response_bytes, self.mw._records_header
+            self.send, self.mw._max_response_bytes, self.mw._records_header, settle
         )
-        keeper = asyncio.create_task(self._keep_lease(token))
+        # Most requests end within a third of the lease: only the others start renewing it.
+        loop = asyncio.get_running_loop()
+        keeper: list[asyncio.Task[None]] = []
+        timer = loop.call_later(
+            self.settings.lease / 3,
+            lambda: keeper.append(loop.create_task(self._keep_lease(token))),
+        )
         try:
             await self.mw.app(self.scope, _ReplayReceive(body, self.receive), recorder.send)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._release(token)
-            raise
         finally:
-            keeper.cancel()
-        with anyio.CancelScope(shield=True):
-            await self._settle(token, recorder)
+            timer.cancel()
+            for task in keeper:
+                task.cancel()
+            # Settled already when the response ended; otherwise the app failed or stopped.
+            await settle(recorder)
 
     async def _settle(self, token: str, recorder: _ResponseRecorder) -> None:
+        """Record the response, or release the key when there is none worth replaying."""
         status = recorder.status
         if (
             status is None
@@ -340,7 +354,8 @@ class _Exchange:
                 self.caller, self.key, token, recorder.stored_response(), ttl=self.settings.ttl
             )
         except StoreError as exc:
-            # The client has its answer; the claim stays in progress until its lease lapses.
+            # The client still gets its answer; the claim stays in progress until its lease
+            # lapses, so a retry meanwhile gets 409, never a second run or a wrong replay.
             logger.error("could not record the response of key %s: %s", self.key_id, exc)
             return
         if not owned:
@@ -355,15 +370,15 @@ class _Exchange:
     async def _keep_lease(self, token: str) -> None:
         lease = self.settings.lease
         while True:
-            await asyncio.sleep(lease / 3)
             try:
                 owned = await self.mw.store.renew(self.caller, self.key, token, lease=lease)
             except StoreError as exc:
                 logger.warning("could not renew the lease of key %s: %s", self.key_id, exc)
-                continue
+                owned = True
             if not owned:
                 logger.warning("lost the lease of key %s to another request", self.key_id)
                 return
+            await asyncio.sleep(lease / 3)
 
 
 def parse_key(raw: str) -> str | None:
@@ -416,10 +431,20 @@ class _ReplayReceive:
 
 
 class _ResponseRecorder:
-    """Passes the response through unchanged while keeping a copy up to ``limit`` bytes."""
+    """Passes the response through unchanged while keeping a copy up to ``limit`` bytes.
 
-    def __init__(self, send: Send, limit: int, records_header: Callable[[bytes], bool]) -> None:
+    ``on_finish`` runs when the last body chunk arrives, before that chunk is passed on.
+    """
+
+    def __init__(
+        self,
+        send: Send,
+        limit: int,
+        records_header: Callable[[bytes], bool],
+        on_finish: Callable[[_ResponseRecorder], Awaitable[None]],
+    ) -> None:
         self._send = send
+        self._on_finish = on_finish
         self._limit = limit
         self._records_header = records_header
         self._chunks: list[bytes] = []
@@ -448,6 +473,10 @@ class _ResponseRecorder:
                     self.replayable = False
                     self._chunks.clear()
             self.finished = not message.get("more_body", False)
+            if self.finished:
+                # Recorded before the client sees the end: a retry sent after the answer
+                # arrived is replayed, never told the request is still in progress.
+                await self._on_finish(self)
         else:
             # A file sent by path, trailers and the like are not recorded.
             self.replayable = False

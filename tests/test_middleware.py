@@ -558,3 +558,39 @@ def test_invalid_options_are_configuration_errors(tmp_path: Any) -> None:
         IdempotencyMiddleware(app, store=object())  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError):
         SQLStore("oracle://scott@localhost/db")
+
+
+async def test_a_retry_sent_as_the_answer_arrives_is_replayed(store: Store) -> None:
+    app = make_app(store)
+    request = {"type": "http.request", "body": b"{}", "more_body": False}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/tickets",
+        "raw_path": b"/tickets",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"idempotency-key", b"k")],
+        "server": ("testserver", 80),
+        "client": ("127.0.0.1", 1234),
+    }
+    retry: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return request
+
+    async def record_retry(message: dict[str, Any]) -> None:
+        retry.append(message)
+
+    async def send(message: dict[str, Any]) -> None:
+        # The client retries the moment the end of the answer reaches it.
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            await app(dict(scope), receive, record_retry)
+
+    await app(dict(scope), receive, send)
+    assert retry[0]["status"] == 201
+    assert (b"idempotent-replayed", b"true") in retry[0]["headers"]
+    assert app.state.calls["tickets"] == 1

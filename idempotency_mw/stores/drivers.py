@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar, cast
 from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Dialect
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.sql import ClauseElement
@@ -41,14 +41,8 @@ class Driver(Protocol):
         """Rows of one statement, run on its own (autocommit)."""
         ...
 
-    async def change(
-        self,
-        statement: Executable,
-        params: Mapping[str, Any],
-        *,
-        isolation_level: str = "AUTOCOMMIT",
-    ) -> int:
-        """Rows changed by one statement."""
+    async def change(self, statement: Executable, params: Mapping[str, Any]) -> int:
+        """Rows changed by one statement, run on its own (autocommit)."""
         ...
 
     async def run_sync(self, operation: Callable[[Connection], T], *, transaction: bool) -> T:
@@ -91,40 +85,54 @@ class _CompileCache:
 
 
 class SQLAlchemyDriver:
-    """Any dialect through an AsyncEngine; the engine is disposed only if ``owned``."""
+    """Any dialect through SQLAlchemy's async engine.
+
+    ``engine`` runs the statements in autocommit; ``transactions`` (default: ``engine`` as
+    configured) runs the few operations that need a transaction. Engines are disposed only if
+    ``owned``.
+    """
 
     errors: tuple[type[Exception], ...] = (SQLAlchemyError,)
 
-    def __init__(self, engine: AsyncEngine, *, owned: bool) -> None:
-        self.engine = engine
+    def __init__(
+        self, engine: AsyncEngine, *, transactions: AsyncEngine | None = None, owned: bool
+    ) -> None:
         self.dialect_name = engine.dialect.name
         self._owned = owned
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._transactions = transactions or engine
+        self._autocommit = (
+            engine if transactions else engine.execution_options(isolation_level="AUTOCOMMIT")
+        )
 
     async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
-        async with self._autocommit.connect() as conn:
-            result = await conn.execute(statement, params)
-            return list(result.all())
+        def rows(conn: Connection) -> Rows:
+            return list(conn.execute(statement, params).all())
 
-    async def change(
-        self,
-        statement: Executable,
-        params: Mapping[str, Any],
-        *,
-        isolation_level: str = "AUTOCOMMIT",
-    ) -> int:
-        engine = self.engine.execution_options(isolation_level=isolation_level)
-        async with engine.begin() as conn:
-            result = await conn.execute(statement, params)
-            return int(result.rowcount)
+        return await self.run_sync(rows, transaction=False)
+
+    async def change(self, statement: Executable, params: Mapping[str, Any]) -> int:
+        def count(conn: Connection) -> int:
+            return int(conn.execute(statement, params).rowcount)
+
+        return await self.run_sync(count, transaction=False)
 
     async def run_sync(self, operation: Callable[[Connection], T], *, transaction: bool) -> T:
-        async with (self.engine if transaction else self._autocommit).begin() as conn:
-            return await conn.run_sync(operation)
+        engine = self._transactions if transaction else self._autocommit
+        retries = 0
+        while True:
+            try:
+                async with engine.begin() as conn:
+                    return await conn.run_sync(operation)
+            except DBAPIError as exc:
+                # InnoDB rolls a deadlock's victim back whole, so running it again is safe.
+                retries += 1
+                if retries > _DEADLOCK_RETRIES or _mysql_error_code(exc) != _MYSQL_DEADLOCK:
+                    raise
 
     async def aclose(self) -> None:
         if self._owned:
-            await self.engine.dispose()
+            await self._autocommit.dispose()
+            await self._transactions.dispose()
 
 
 class AsyncpgDriver:
@@ -152,7 +160,11 @@ class AsyncpgDriver:
             async with self._opening:
                 if self._pool is None:
                     dsn = self._url.set(drivername="postgresql").render_as_string(False)
-                    self._pool = await asyncpg.create_pool(dsn, min_size=1, max_size=10)
+                    # The store sets no session state, so returning a connection to the pool
+                    # needs no reset query (asyncpg's default costs a round trip each time).
+                    self._pool = await asyncpg.create_pool(
+                        dsn, min_size=1, max_size=10, reset=_keep_session
+                    )
         return self._pool
 
     async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
@@ -161,14 +173,7 @@ class AsyncpgDriver:
         rows: Rows = await pool.fetch(compiled.sql, *compiled.args(params))
         return rows
 
-    async def change(
-        self,
-        statement: Executable,
-        params: Mapping[str, Any],
-        *,
-        isolation_level: str = "AUTOCOMMIT",
-    ) -> int:
-        # Every statement outside a transaction runs in READ COMMITTED on PostgreSQL.
+    async def change(self, statement: Executable, params: Mapping[str, Any]) -> int:
         compiled = self._compile(statement)
         pool = await self._connections()
         status: str = await pool.execute(compiled.sql, *compiled.args(params))
@@ -256,13 +261,7 @@ class SQLiteDriver:
         rows: Rows = (await self._execute(statement, params))[0]
         return rows
 
-    async def change(
-        self,
-        statement: Executable,
-        params: Mapping[str, Any],
-        *,
-        isolation_level: str = "AUTOCOMMIT",
-    ) -> int:
+    async def change(self, statement: Executable, params: Mapping[str, Any]) -> int:
         count: int = (await self._execute(statement, params))[1]
         self._commits += 1
         if self._commits % _CHECKPOINT_EVERY == 0:
@@ -301,6 +300,19 @@ class SQLiteDriver:
         if self._loop_connection is not None:
             self._loop_connection.close()
             self._loop_connection = None
+
+
+_DEADLOCK_RETRIES = 3
+_MYSQL_DEADLOCK = 1213
+
+
+def _mysql_error_code(exc: DBAPIError) -> object:
+    args = getattr(exc.orig, "args", ())
+    return args[0] if args else None
+
+
+async def _keep_session(connection: Any) -> None:
+    """A pool reset that does nothing."""
 
 
 def tune_sqlite(connection: Any, busy_ms: int, checkpoints: bool) -> None:

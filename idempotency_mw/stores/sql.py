@@ -238,10 +238,8 @@ class SQLStore:
         return await self._call(self._driver.change(_RELEASE, params)) == 1
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
-        # READ COMMITTED spares MariaDB's purge gap locks that would stall concurrent claims.
         statement, params = self._purge(batch_size)
-        purged = self._driver.change(statement, params, isolation_level="READ COMMITTED")
-        return await self._call(purged)
+        return await self._call(self._driver.change(statement, params))
 
     async def startup(self) -> None:
         def check(conn: Connection) -> None:
@@ -279,9 +277,24 @@ def _driver_for(database: str | URL | AsyncEngine) -> Driver:
         return SQLiteDriver(url)
     if backend == "postgresql" and driver == "asyncpg":
         return AsyncpgDriver(url)
-    # An in-memory SQLite database exists once per connection: keep one connection.
-    options: dict[str, Any] = {"poolclass": StaticPool} if backend == "sqlite" else {}
-    return SQLAlchemyDriver(create_async_engine(url, **options), owned=True)
+    if backend == "sqlite":
+        # An in-memory SQLite database exists once per connection: keep one connection.
+        return SQLAlchemyDriver(create_async_engine(url, poolclass=StaticPool), owned=True)
+    # Two pools, so that no connection switches isolation level on every checkout. READ
+    # COMMITTED spares MariaDB/MySQL the gap locks that make concurrent purges deadlock.
+    options = (
+        {"connect_args": {"init_command": _READ_COMMITTED}}
+        if backend in ("mysql", "mariadb")
+        else {}
+    )
+    return SQLAlchemyDriver(
+        create_async_engine(url, isolation_level="AUTOCOMMIT", **options),
+        transactions=create_async_engine(url, **options),
+        owned=True,
+    )
+
+
+_READ_COMMITTED = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 
 
 def _outcome_of(row: Sequence[Any] | None, fingerprint: str) -> Claim | None:

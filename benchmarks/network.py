@@ -1,0 +1,395 @@
+"""Throughput and latency under uvicorn on 127.0.0.1, loaded by wrk from a second process.
+
+For 1 and 2 uvicorn workers, the bare app runs all along on one port and each variant in turn
+on another; runs alternate bare, variant (fresh keys), variant (one primed key), bare, next
+variant..., so drift hits all alike. A variant's ratio is against the mean of the bare runs on
+either side of it. wrk's Lua script gives every request its own Idempotency-Key (or the fixed,
+primed one for the replay run). Everything is bounded by ``--duration``.
+
+    python -m benchmarks.network [--duration 5] [--connections 32] [--workers 1,2]
+
+Needs ``wrk`` (Debian: ``apt-get install wrk``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.apps import BODY, LABELS, PATH, VARIANTS, prepare, unavailable
+from benchmarks.common import BENCH_DIR, fmt, markdown_table, write_json
+
+HOST = "127.0.0.1"
+WRK_SCRIPT = r"""
+-- Every request gets its own Idempotency-Key (prefix-thread-counter), or the fixed one.
+local counter = 0
+local threads = {}
+local prefix = "k"
+local fixed = nil
+
+function setup(thread)
+  table.insert(threads, thread)
+  thread:set("tid", #threads)
+end
+
+function init(args)
+  prefix = (args[1] or "k") .. "-" .. tostring(tid or 0) .. "-"
+  if args[2] and args[2] ~= "" then fixed = args[2] end
+  wrk.method = "POST"
+  wrk.path = "/tickets"
+  wrk.body = '{"title": "printer on fire", "priority": 2}'
+  wrk.headers["Content-Type"] = "application/json"
+end
+
+function request()
+  counter = counter + 1
+  wrk.headers["Idempotency-Key"] = fixed or (prefix .. counter)
+  return wrk.format()
+end
+
+statuses = {}
+function response(status, headers, body)
+  statuses[status] = (statuses[status] or 0) + 1
+end
+
+function done(summary, latency, requests)
+  local merged = {}
+  for _, thread in ipairs(threads) do
+    for status, count in pairs(thread:get("statuses") or {}) do
+      merged[status] = (merged[status] or 0) + count
+    end
+  end
+  local parts = {}
+  for status, count in pairs(merged) do
+    table.insert(parts, string.format('"%d": %d', status, count))
+  end
+  io.write('BENCHSTATUS {' .. table.concat(parts, ", ") .. '}\n')
+  local e = summary.errors
+  io.write(string.format(
+    'BENCHJSON {"requests": %d, "duration_us": %d, "connect": %d, "read": %d, ' ..
+    '"write": %d, "status": %d, "timeout": %d, "p50": %d, "p90": %d, "p99": %d, ' ..
+    '"max": %d, "mean": %.1f}\n',
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99),
+    latency.max, latency.mean))
+end
+"""
+
+
+@dataclass
+class WrkResult:
+    requests: int = 0
+    duration_us: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    statuses: dict[int, int] = field(default_factory=dict)
+    p50: float = 0.0
+    p99: float = 0.0
+    mean: float = 0.0
+
+    @property
+    def rps(self) -> float:
+        return self.requests / (self.duration_us / 1e6) if self.duration_us else 0.0
+
+
+@dataclass
+class Row:
+    workers: int
+    variant: str
+    mode: str
+    result: WrkResult | None = None
+    bare: list[WrkResult] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def bare_rps(self) -> float | None:
+        return sum(b.rps for b in self.bare) / len(self.bare) if self.bare else None
+
+    @property
+    def ratio(self) -> float | None:
+        bare = self.bare_rps
+        return self.result.rps / bare if self.result and bare else None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def post(port: int, key: str | None, timeout: float = 5.0, body: bytes = BODY) -> int:
+    """One POST /tickets to 127.0.0.1:``port``; returns the status."""
+    request = urllib.request.Request(f"http://{HOST}:{port}{PATH}", data=body, method="POST")
+    request.add_header("Content-Type", "application/json")
+    if key:
+        request.add_header("Idempotency-Key", key)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status: int = response.status
+            return status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@contextmanager
+def uvicorn_server(
+    variant: str,
+    workers: int,
+    sqlite_dir: Path,
+    *,
+    env_extra: dict[str, str] | None = None,
+    startup_timeout: float = 30.0,
+) -> Iterator[int]:
+    """uvicorn serving ``variant`` on a free 127.0.0.1 port; yields the port."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "BENCH_VARIANT": variant,
+        "BENCH_SQLITE_DIR": str(sqlite_dir),
+        "PYTHONPATH": str(BENCH_DIR.parent),
+        **(env_extra or {}),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "benchmarks.apps:create_app",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--no-access-log",
+        "--log-level",
+        "warning",
+    ]
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
+    process = subprocess.Popen(
+        command, env=env, cwd=BENCH_DIR.parent, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                tail = log.read().decode(errors="replace")[-800:]
+                raise RuntimeError(f"uvicorn exited ({process.returncode}): {tail}")
+            try:
+                # Without a key the layer passes the request through: a readiness probe
+                # that leaves no record.
+                if post(port, None, timeout=2.0) == 201:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not answer on port {port}")
+            time.sleep(0.2)
+        if workers > 1:
+            # Let every worker come up before timing (each one probes its store at startup).
+            time.sleep(1.0 + 0.5 * workers)
+        yield port
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+        log.close()
+
+
+def run_wrk(
+    port: int, script: Path, duration: float, connections: int, threads: int, fixed_key: str = ""
+) -> WrkResult:
+    command = [
+        "wrk",
+        f"-t{threads}",
+        f"-c{connections}",
+        f"-d{max(1, round(duration))}s",
+        "--timeout",
+        "5s",
+        "-s",
+        str(script),
+        f"http://{HOST}:{port}{PATH}",
+        "--",
+        f"r{uuid.uuid4().hex[:10]}",
+        fixed_key,
+    ]
+    completed = subprocess.run(
+        command, capture_output=True, text=True, timeout=duration + 60, check=False
+    )
+    statuses: dict[int, int] = {}
+    for line in completed.stdout.splitlines():
+        if line.startswith("BENCHSTATUS "):
+            statuses = {int(k): v for k, v in json.loads(line.split(" ", 1)[1]).items()}
+        if line.startswith("BENCHJSON "):
+            data = json.loads(line.removeprefix("BENCHJSON "))
+            return WrkResult(
+                requests=data["requests"],
+                duration_us=data["duration_us"],
+                errors={
+                    k: data[k] for k in ("connect", "read", "write", "status", "timeout") if data[k]
+                },
+                statuses=statuses,
+                p50=data["p50"],
+                p99=data["p99"],
+                mean=data["mean"],
+            )
+    raise RuntimeError(f"wrk failed: {completed.stderr.strip() or completed.stdout[-400:]}")
+
+
+def measure(args: argparse.Namespace) -> list[Row]:
+    variants = [v for v in args.variants.split(",") if v] if args.variants else list(VARIANTS)
+    variants = [v for v in variants if v != "bare"]
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="idem-bench-net-") as directory:
+        sqlite_dir = Path(directory)
+        script = sqlite_dir / "keys.lua"
+        script.write_text(WRK_SCRIPT)
+
+        def wrk(port: int, fixed: str = "") -> WrkResult:
+            return run_wrk(port, script, args.duration, args.connections, args.threads, fixed)
+
+        for workers in args.workers:
+            with uvicorn_server("bare", workers, sqlite_dir) as bare_port:
+                print(f"… {workers} worker(s): bare", file=sys.stderr, flush=True)
+                previous_bare = wrk(bare_port)
+                rows.append(Row(workers, "bare", "any", previous_bare, [previous_bare]))
+                for variant in variants:
+                    first, replay = Row(workers, variant, "first"), Row(workers, variant, "replay")
+                    rows += [first, replay]
+                    reason = unavailable(variant)
+                    if reason:
+                        first.error = replay.error = reason
+                        continue
+                    print(f"… {workers} worker(s): {variant}", file=sys.stderr, flush=True)
+                    try:
+                        asyncio.run(prepare(variant, sqlite_dir))
+                        with uvicorn_server(variant, workers, sqlite_dir) as port:
+                            first.result = wrk(port)
+                            key = f"replay-{uuid.uuid4().hex[:12]}"
+                            primed = post(port, key)
+                            if primed != 201:
+                                replay.error = f"priming the replay key answered {primed}"
+                            replay.result = wrk(port, key)
+                    except Exception as exc:
+                        message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                        for row in (first, replay):
+                            if row.result is None:
+                                row.error = message
+                    next_bare = wrk(bare_port)
+                    rows.append(Row(workers, "bare", "any", next_bare, [next_bare]))
+                    for row in (first, replay):
+                        row.bare = [previous_bare, next_bare]
+                    previous_bare = next_bare
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    headers = [
+        "workers",
+        "variant",
+        "mode",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "bare req/s",
+        "ratio to bare",
+        "errors / non-2xx",
+        "notes",
+    ]
+    out = []
+    for row in rows:
+        if row.variant == "bare":
+            continue
+        r = row.result
+        errors = ", ".join(
+            [f"{k} {v}" for k, v in (r.errors if r else {}).items() if k != "status"]
+            + [f"{s}x{n}" for s, n in sorted((r.statuses if r else {}).items()) if s != 201]
+        )
+        out.append(
+            [
+                row.workers,
+                LABELS[row.variant],
+                row.mode,
+                fmt(r.rps if r else None),
+                fmt(r.p50 / 1000 if r else None, 2),
+                fmt(r.p99 / 1000 if r else None, 2),
+                fmt(row.bare_rps),
+                fmt(row.ratio, 2),
+                f"**{errors}**" if errors else "0",
+                row.error or "",
+            ]
+        )
+    return markdown_table(headers, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
+    parser.add_argument("--connections", type=int, default=32, help="wrk connections")
+    parser.add_argument("--threads", type=int, default=1, help="wrk threads")
+    parser.add_argument(
+        "--workers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 2],
+        help="uvicorn worker counts, comma-separated",
+    )
+    parser.add_argument("--variants", default="", help=f"comma-separated, of {VARIANTS}")
+    parser.add_argument("--json", help="write the results as JSON here")
+    parser.add_argument("--markdown", help="write the Markdown table here")
+    args = parser.parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
+        return 2
+    rows = measure(args)
+    text = table(rows)
+    bare = [row.result.rps for row in rows if row.variant == "bare" and row.result]
+    if bare:
+        text += f"\n\nBare FastAPI runs: {', '.join(fmt(b) for b in bare)} req/s.\n"
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    write_json(
+        args.json,
+        [
+            {
+                "workers": row.workers,
+                "variant": row.variant,
+                "mode": row.mode,
+                "rps": row.result.rps if row.result else None,
+                "p50_us": row.result.p50 if row.result else None,
+                "p99_us": row.result.p99 if row.result else None,
+                "errors": row.result.errors if row.result else None,
+                "statuses": row.result.statuses if row.result else None,
+                "bare_rps": row.bare_rps,
+                "ratio": row.ratio,
+                "error": row.error,
+            }
+            for row in rows
+        ],
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
