@@ -616,7 +616,7 @@ async def micro_costs(n: int, directory: Path, have_pg: bool, have_redis: bool) 
     add(
         "middleware",
         "fingerprint (44-byte body)",
-        timed_sync(lambda: middleware.fingerprint(scope, PATH, BODY), n),
+        timed_sync(lambda: middleware.fingerprint(scope, Headers(scope=scope), PATH, BODY), n),
     )
     add(
         "middleware",

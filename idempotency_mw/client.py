@@ -3,7 +3,8 @@
 An operation gets its key when it is decided (:meth:`IdempotentClient.operation`); every
 attempt, retry, restart and :meth:`~IdempotentClient.reconcile` re-sends it with that same key,
 so the server runs it at most once. Operations and their states are journaled (a local SQLite
-file by default) so that a caller that crashes can resume them after a restart.
+file by default; :class:`SQLJournal` and :class:`RedisJournal` keep them in the server store's
+database or Redis) so that a caller that crashes can resume them after a restart.
 
 Outcomes: a response below 400 is returned (journal: ``confirmed``); any other 4xx is returned
 too, as httpx does, and the operation is ``failed``; timeouts, connection errors, 408, 425,
@@ -18,6 +19,7 @@ journal write); :class:`IdempotentClient` and :class:`SyncIdempotentClient` only
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import json as jsonlib
@@ -33,13 +35,45 @@ import time
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any, Protocol, Self, TypeAlias, TypedDict, TypeVar, Unpack, runtime_checkable
+from typing import (
+    Any,
+    Protocol,
+    Self,
+    TypeAlias,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    cast,
+    runtime_checkable,
+)
 
 import anyio
 import anyio.to_thread
 import httpx
+import redis
+from sqlalchemy import (
+    URL,
+    Column,
+    Engine,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    and_,
+    create_engine,
+    insert,
+    inspect,
+    make_url,
+    select,
+    update,
+)
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from idempotency_mw.exceptions import ConfigurationError, IdempotencyError
+from idempotency_mw.stores.schema import _Bytes, _Text
 
 logger = logging.getLogger("idempotency_mw.client")
 
@@ -327,8 +361,15 @@ CREATE TABLE IF NOT EXISTS idempotency_operations (
     UNIQUE (name, ref)
 )
 """
-_COLUMNS = "key, name, ref, state, method, url, headers, body, status"
+#: A journal entry's fields, in the order of :func:`_row` and :func:`_entry`.
+_FIELDS = ("key", "name", "ref", "state", "method", "url", "headers", "body", "status")
+#: The fields ``save()`` replaces; key, name and ref are fixed when an entry is first stored.
+_MUTABLE = ("state", "method", "url", "headers", "body", "status")
+_COLUMNS = ", ".join(_FIELDS)
 _UNSETTLED = tuple(state.value for state in OperationState if not state.settled)
+_SQLITE_UPSERT = "ON CONFLICT (key) DO UPDATE SET " + ", ".join(
+    f"{name} = excluded.{name}" for name in (*_MUTABLE, "updated_at")
+)
 
 
 class SQLiteJournal:
@@ -363,12 +404,7 @@ class SQLiteJournal:
     def save(self, entry: JournalEntry) -> None:
         """Insert or replace the entry with ``entry.key``."""
         with self._lock:
-            self._write(
-                entry,
-                "ON CONFLICT (key) DO UPDATE SET state = excluded.state, method = excluded.method,"
-                " url = excluded.url, headers = excluded.headers, body = excluded.body,"
-                " status = excluded.status, updated_at = excluded.updated_at",
-            )
+            self._write(entry, _SQLITE_UPSERT)
 
     def get(self, key: str) -> JournalEntry | None:
         """The entry with this key, if any."""
@@ -410,23 +446,27 @@ class SQLiteJournal:
         self._db.execute(
             f"INSERT INTO idempotency_operations ({_COLUMNS}, created_at, updated_at)"
             f" VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) {on_conflict}",
-            (
-                entry.key,
-                entry.name,
-                entry.ref,
-                entry.state.value,
-                entry.method,
-                entry.url,
-                jsonlib.dumps([list(pair) for pair in entry.headers]),
-                entry.body,
-                entry.status,
-                now,
-                now,
-            ),
+            (*_row(entry), now, now),
         )
 
 
-def _entry(row: tuple[Any, ...]) -> JournalEntry:
+def _row(entry: JournalEntry) -> tuple[Any, ...]:
+    """``entry`` as stored: the values of :data:`_FIELDS` (headers as JSON)."""
+    return (
+        entry.key,
+        entry.name,
+        entry.ref,
+        entry.state.value,
+        entry.method,
+        entry.url,
+        jsonlib.dumps([list(pair) for pair in entry.headers]),
+        entry.body,
+        entry.status,
+    )
+
+
+def _entry(row: Sequence[Any]) -> JournalEntry:
+    """The entry stored as ``row`` (the values of :data:`_FIELDS`)."""
     key, name, ref, state, method, url, headers, body, status = row
     return JournalEntry(
         key=key,
@@ -437,8 +477,298 @@ def _entry(row: tuple[Any, ...]) -> JournalEntry:
         url=url,
         headers=tuple((str(k), str(v)) for k, v in jsonlib.loads(headers)),
         body=bytes(body),
-        status=status,
+        status=None if status is None else int(status),
     )
+
+
+# The client's journal table in a SQL database: the caller's, created on first use.
+journal_metadata = MetaData()
+journal_table = Table(
+    "idempotency_client_journal",
+    journal_metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("key", _Text, nullable=False, unique=True),
+    Column("name", _Text, nullable=False),
+    Column("ref", _Text, nullable=True),
+    Column("state", String(16), nullable=False),
+    Column("method", _Text, nullable=True),
+    Column("url", Text, nullable=True),
+    Column("headers", Text, nullable=False),
+    Column("body", _Bytes, nullable=False),
+    Column("status", Integer, nullable=True),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    UniqueConstraint("name", "ref"),
+)
+_SELECT = select(*(journal_table.c[name] for name in _FIELDS))
+
+#: The sync driver used for each backend when a URL names none, or an async one.
+SYNC_DRIVERS = {"postgresql": "psycopg", "mysql": "pymysql", "mariadb": "pymysql"}
+_ASYNC_ONLY_DRIVERS = {"aiosqlite", "asyncpg", "asyncmy", "aiomysql"}
+
+
+def sync_url(url: str | URL) -> URL:
+    """``url`` with a sync driver: ``postgresql://`` becomes ``postgresql+psycopg://``,
+    ``mysql://`` ``mysql+pymysql://``, ``sqlite+aiosqlite://`` ``sqlite://``."""
+    try:
+        parsed = make_url(url)
+    except SQLAlchemyError as exc:
+        raise ConfigurationError(f"not a database URL: {url!r}") from exc
+    backend = parsed.get_backend_name()
+    if backend != "sqlite" and backend not in SYNC_DRIVERS:
+        raise ConfigurationError(
+            f"unsupported database {backend!r}: use SQLite, PostgreSQL or MariaDB/MySQL"
+        )
+    if "+" in parsed.drivername and parsed.get_driver_name() not in _ASYNC_ONLY_DRIVERS:
+        return parsed
+    driver = SYNC_DRIVERS.get(backend)
+    return parsed.set(drivername=f"{backend}+{driver}" if driver else backend)
+
+
+class SQLJournal:
+    """A :class:`Journal` in the table ``idempotency_client_journal`` of a SQL database
+    (SQLite, PostgreSQL, MariaDB/MySQL), e.g. the server store's.
+
+    Give a URL (the journal makes a sync engine, see :func:`sync_url`, and disposes of it in
+    :meth:`close`) or a sync ``Engine`` (never disposed of). The table is created on first use;
+    names and refs are at most 255 characters.
+    """
+
+    def __init__(self, url_or_engine: str | URL | Engine) -> None:
+        self._owns_engine = not isinstance(url_or_engine, Engine)
+        self._engine = (
+            url_or_engine
+            if isinstance(url_or_engine, Engine)
+            else create_engine(sync_url(url_or_engine))
+        )
+        self._lock = threading.Lock()
+        self._created = False
+
+    @property
+    def engine(self) -> Engine:
+        """The engine the journal runs on."""
+        return self._engine
+
+    def add(self, entry: JournalEntry) -> JournalEntry:
+        """Record a new operation, or return the one with the same name and ref."""
+        self._create()
+        with contextlib.suppress(IntegrityError), self._engine.begin() as conn:
+            conn.execute(insert(journal_table).values(self._values(entry)))
+        c = journal_table.c
+        if entry.ref is None:
+            where = c.key == entry.key
+        else:
+            where = and_(c.name == entry.name, c.ref == entry.ref)
+        with self._engine.connect() as conn:
+            return _entry(conn.execute(_SELECT.where(where)).one())
+
+    def save(self, entry: JournalEntry) -> None:
+        """Insert or replace the entry with ``entry.key``."""
+        self._create()
+        values = self._values(entry)
+        changes = {name: values[name] for name in (*_MUTABLE, "updated_at")}
+        with self._engine.begin() as conn:
+            found = conn.execute(
+                update(journal_table).where(journal_table.c.key == entry.key).values(changes)
+            )
+            if found.rowcount == 0:
+                conn.execute(insert(journal_table).values(values))
+
+    def get(self, key: str) -> JournalEntry | None:
+        """The entry with this key, if any."""
+        self._create()
+        with self._engine.connect() as conn:
+            row = conn.execute(_SELECT.where(journal_table.c.key == key)).first()
+        return None if row is None else _entry(row)
+
+    def unsettled(self) -> list[JournalEntry]:
+        """Entries still pending, sent or unknown, oldest first."""
+        self._create()
+        query = _SELECT.where(journal_table.c.state.in_(_UNSETTLED)).order_by(journal_table.c.id)
+        with self._engine.connect() as conn:
+            return [_entry(row) for row in conn.execute(query)]
+
+    def close(self) -> None:
+        """Dispose of the engine, if the journal made it."""
+        if self._owns_engine:
+            self._engine.dispose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        with self._lock:
+            if self._created:
+                return
+            try:
+                journal_metadata.create_all(self._engine)
+            except SQLAlchemyError:  # another process created it since create_all checked
+                if not inspect(self._engine).has_table(journal_table.name):
+                    raise
+            self._created = True
+
+    @staticmethod
+    def _values(entry: JournalEntry) -> dict[str, Any]:
+        now = time.time()
+        return {
+            **dict(zip(_FIELDS, _row(entry), strict=True)),
+            "created_at": now,
+            "updated_at": now,
+        }
+
+
+# KEYS: the entry's hash, the (name, ref) -> key index, the unsettled sorted set, the sequence.
+# ARGV: key, index field ('' without a ref), 'add' or 'save', '1' if settled, name, ref,
+# n, n field/value pairs to set, then the fields to delete.
+# An entry is stored once, with a new sequence number, name and ref; 'add' returns the key of
+# the entry already stored under that key or (name, ref), 'save' then replaces the rest.
+_REDIS_WRITE = """
+local key, ref_field = ARGV[1], ARGV[2]
+local owner = false
+if ref_field ~= '' then owner = redis.call('HGET', KEYS[2], ref_field) end
+local seq = redis.call('HGET', KEYS[1], 'seq')
+if ARGV[3] == 'add' and (owner or seq) then return owner or key end
+if not seq then
+    if owner and owner ~= key then
+        return redis.error_reply('another operation has this name and ref: ' .. owner)
+    end
+    seq = redis.call('INCR', KEYS[4])
+    redis.call('HSET', KEYS[1], 'key', key, 'seq', seq, 'name', ARGV[5])
+    if ref_field ~= '' then
+        redis.call('HSET', KEYS[1], 'ref', ARGV[6])
+        redis.call('HSET', KEYS[2], ref_field, key)
+    end
+end
+local n = tonumber(ARGV[7])
+if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 8, 7 + 2 * n)) end
+if #ARGV > 7 + 2 * n then redis.call('HDEL', KEYS[1], unpack(ARGV, 8 + 2 * n)) end
+if ARGV[4] == '1' then
+    redis.call('ZREM', KEYS[3], key)
+else
+    redis.call('ZADD', KEYS[3], seq, key)
+end
+return key
+"""
+
+
+class RedisJournal:
+    """A :class:`Journal` in Redis, e.g. the server store's.
+
+    Each entry is a hash ``<prefix>op:<key>``; ``<prefix>refs`` maps name and ref to keys,
+    ``<prefix>unsettled`` orders unsettled keys by ``<prefix>seq``. Give ``url`` (the journal
+    makes a client and closes it in :meth:`close`) or ``client``, a sync ``redis.Redis`` with
+    ``decode_responses=False`` that the journal never closes. Writes are one Lua script each.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        client: redis.Redis | None = None,
+        prefix: str = "idem-journal:",
+    ) -> None:
+        if client is None and url is not None:
+            try:
+                client = redis.Redis.from_url(url, decode_responses=False)
+            except ValueError as exc:
+                raise ConfigurationError(f"not a Redis URL: {exc}") from exc
+            self._owns_client = True
+        elif client is not None and url is None:
+            self._owns_client = False
+        else:
+            raise ConfigurationError("RedisJournal needs exactly one of url= or client=")
+        if client.connection_pool.connection_kwargs.get("decode_responses", False):
+            raise ConfigurationError(
+                "RedisJournal needs a Redis client with decode_responses=False: entries hold "
+                "binary request bodies"
+            )
+        self._client = client
+        self._prefix = prefix
+        self._script = client.register_script(_REDIS_WRITE)
+
+    @property
+    def client(self) -> redis.Redis:
+        """The Redis client the journal runs on."""
+        return self._client
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of every Redis key the journal writes."""
+        return self._prefix
+
+    def add(self, entry: JournalEntry) -> JournalEntry:
+        """Record a new operation, or return the one with the same name and ref."""
+        stored = self.get(self._write(entry, "add"))
+        assert stored is not None
+        return stored
+
+    def save(self, entry: JournalEntry) -> None:
+        """Insert or replace the entry with ``entry.key``."""
+        self._write(entry, "save")
+
+    def get(self, key: str) -> JournalEntry | None:
+        """The entry with this key, if any."""
+        return self._entry(cast("dict[bytes, bytes]", self._client.hgetall(self._op(key))))
+
+    def unsettled(self) -> list[JournalEntry]:
+        """Entries still pending, sent or unknown, oldest first."""
+        keys = cast("list[bytes]", self._client.zrange(f"{self._prefix}unsettled", 0, -1))
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(self._op(key.decode()))
+        entries = [self._entry(fields) for fields in pipe.execute()]
+        return [entry for entry in entries if entry is not None and not entry.state.settled]
+
+    def close(self) -> None:
+        """Close the Redis client, if the journal made it."""
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _op(self, key: str) -> str:
+        return f"{self._prefix}op:{key}"
+
+    def _write(self, entry: JournalEntry, mode: str) -> str:
+        row = dict(zip(_FIELDS, _row(entry), strict=True))
+        pairs = [part for name in _MUTABLE if row[name] is not None for part in (name, row[name])]
+        gone = [name for name in _MUTABLE if row[name] is None]
+        ref_field = "" if entry.ref is None else jsonlib.dumps([entry.name, entry.ref])
+        keys = [self._op(entry.key), *(self._prefix + k for k in ("refs", "unsettled", "seq"))]
+        args = [entry.key, ref_field, mode, "1" if entry.state.settled else "0", entry.name]
+        reply = self._script(
+            keys=keys, args=[*args, entry.ref or "", len(pairs) // 2, *pairs, *gone]
+        )
+        return bytes(reply).decode()
+
+    @staticmethod
+    def _entry(fields: Mapping[bytes, bytes]) -> JournalEntry | None:
+        if not fields:
+            return None
+        values = [fields.get(name.encode()) for name in _FIELDS]
+        return _entry(
+            [
+                v if v is None or name == "body" else v.decode()
+                for name, v in zip(_FIELDS, values, strict=True)
+            ]
+        )
 
 
 # --- The retry protocol, written once -------------------------------------------------------

@@ -122,7 +122,8 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
 
-        raw_keys = Headers(scope=scope).getlist(self._header_name)
+        headers = Headers(scope=scope)
+        raw_keys = headers.getlist(self._header_name)
         template, policy = self._routes.resolve(scope)
         settings = self._defaults.merge(policy)
         if not raw_keys:
@@ -142,7 +143,7 @@ class IdempotencyMiddleware:
             )
             await send_problem(send, Problem.INVALID_KEY, 400, detail + ".")
             return
-        await _Exchange(self, scope, receive, send, key, template, settings).run()
+        await _Exchange(self, scope, receive, send, headers, key, template, settings).run()
 
     async def caller_scope(self, scope: Scope) -> str:
         """The namespace of this request's keys, from the ``scope`` option ('' without one)."""
@@ -153,9 +154,8 @@ class IdempotencyMiddleware:
         # Stored verbatim when it fits the column; a longer one by its digest.
         return name if len(name) <= 255 else hashlib.sha256(name.encode()).hexdigest()
 
-    def fingerprint(self, scope: Scope, template: str, body: bytes) -> str:
+    def fingerprint(self, scope: Scope, headers: Headers, template: str, body: bytes) -> str:
         """The request's hash: method, route template, path, query, chosen headers, body."""
-        headers = Headers(scope=scope)
         return request_fingerprint(
             scope["method"],
             template,
@@ -204,6 +204,7 @@ class _Exchange:
         scope: Scope,
         receive: Receive,
         send: Send,
+        headers: Headers,
         key: str,
         template: str,
         settings: Settings,
@@ -212,6 +213,7 @@ class _Exchange:
         self.scope = scope
         self.receive = receive
         self.send = send
+        self.headers = headers
         self.key = key
         self.template = template
         self.settings = settings
@@ -224,7 +226,7 @@ class _Exchange:
 
     async def run(self) -> None:
         mw = self.mw
-        declared = Headers(scope=self.scope).get("content-length", "")
+        declared = self.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > mw._max_request_bytes:
             await self._too_large()
             return
@@ -232,7 +234,7 @@ class _Exchange:
         if body is None:
             return
         self.caller = await mw.caller_scope(self.scope)
-        fingerprint = mw.fingerprint(self.scope, self.template, body)
+        fingerprint = mw.fingerprint(self.scope, self.headers, self.template, body)
         try:
             claim = await mw.store.claim(
                 self.caller,
