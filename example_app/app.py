@@ -10,10 +10,11 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from pydantic import BaseModel, Field
-from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
+from sqlalchemy import Column, Integer, MetaData, String, Table, Text, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from starlette.requests import HTTPConnection
 
@@ -28,7 +29,7 @@ tickets = Table(
     "example_tickets",
     metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("caller", String(255), nullable=False),
+    Column("caller", Text, nullable=False),
     Column("title", String(200), nullable=False),
     Column("client_ref", String(100), nullable=True),
     Column("created_at", String(40), nullable=False, server_default=func.current_timestamp()),
@@ -42,9 +43,13 @@ emails = Table(
 )
 
 
+# Text a database can store: PostgreSQL's text cannot hold a NUL character.
+_NO_NUL = r"^[^\x00]*$"
+
+
 class TicketIn(BaseModel):
-    title: str = Field(min_length=1, max_length=200)
-    client_ref: str | None = Field(default=None, max_length=100)
+    title: str = Field(min_length=1, max_length=200, pattern=_NO_NUL)
+    client_ref: str | None = Field(default=None, max_length=100, pattern=_NO_NUL)
 
 
 class Ticket(BaseModel):
@@ -54,7 +59,7 @@ class Ticket(BaseModel):
 
 
 class EmailIn(BaseModel):
-    recipient: str = Field(min_length=3, max_length=255)
+    recipient: str = Field(min_length=3, max_length=255, pattern=_NO_NUL)
 
 
 class Email(BaseModel):
@@ -103,7 +108,9 @@ def create_app(database_url: str | None = None) -> FastAPI:
 
     @app.post("/tickets/{ticket_id}/emails", status_code=202)
     @idempotent(ttl=timedelta(minutes=10), required=True)
-    async def send_email(ticket_id: int, email: EmailIn) -> Email:
+    async def send_email(
+        ticket_id: Annotated[int, Path(ge=1, le=2**63 - 1)], email: EmailIn
+    ) -> Email:
         async with engine.begin() as conn:
             result = await conn.execute(
                 insert(emails).values(ticket_id=ticket_id, recipient=email.recipient)

@@ -12,10 +12,9 @@ import anyio.to_thread
 from alembic import command
 from alembic.config import Config
 from alembic.util.exc import CommandError
-from sqlalchemy.exc import DBAPIError
 
 from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE, purge
-from idempotency_mw.exceptions import ConfigurationError, StoreError
+from idempotency_mw.exceptions import ConfigurationError, StoreError, describe
 from idempotency_mw.stores.base import Store
 from idempotency_mw.stores.redis import RedisStore
 from idempotency_mw.stores.sql import SQLStore, async_url
@@ -40,12 +39,6 @@ def upgrade_sync(url: str, revision: str = "head") -> None:
 async def upgrade(url: str, revision: str = "head") -> None:
     """:func:`upgrade_sync` from async code (Alembic runs its own event loop in a thread)."""
     await anyio.to_thread.run_sync(upgrade_sync, url, revision)
-
-
-def one_line(exc: BaseException) -> str:
-    """The driver's own error on one line, without SQLAlchemy's SQL and background notes."""
-    error = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-    return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as exc:  # a database error: one line for the shell, not a traceback
         cause = exc.__cause__ if isinstance(exc, StoreError) and exc.__cause__ else exc
-        print(f"idempotency-mw: {one_line(cause)}", file=sys.stderr)
+        print(f"idempotency-mw: {describe(cause)}", file=sys.stderr)
         return 1
     print(f"idempotency-mw: {args.command} to {args.revision} done")
     return 0

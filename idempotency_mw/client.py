@@ -73,7 +73,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from idempotency_mw.exceptions import ConfigurationError, IdempotencyError
-from idempotency_mw.stores.schema import _Bytes, _Text
+from idempotency_mw.stores.schema import ExactString, LongBinary
 
 logger = logging.getLogger("idempotency_mw.client")
 
@@ -487,14 +487,14 @@ journal_table = Table(
     "idempotency_client_journal",
     journal_metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("key", _Text, nullable=False, unique=True),
-    Column("name", _Text, nullable=False),
-    Column("ref", _Text, nullable=True),
+    Column("key", ExactString, nullable=False, unique=True),
+    Column("name", ExactString, nullable=False),
+    Column("ref", ExactString, nullable=True),
     Column("state", String(16), nullable=False),
-    Column("method", _Text, nullable=True),
+    Column("method", ExactString, nullable=True),
     Column("url", Text, nullable=True),
     Column("headers", Text, nullable=False),
-    Column("body", _Bytes, nullable=False),
+    Column("body", LongBinary, nullable=False),
     Column("status", Integer, nullable=True),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),

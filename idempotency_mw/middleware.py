@@ -44,6 +44,7 @@ DEFAULT_UNRECORDED_HEADERS = frozenset(
 )
 REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 MAX_KEY_LENGTH = 255
+_DIGEST_PREFIX = "sha256:"
 
 CallerScope = Callable[[HTTPConnection], str | Awaitable[str]]
 
@@ -151,8 +152,11 @@ class IdempotencyMiddleware:
             return ""
         value = self._caller_scope(HTTPConnection(scope))
         name = await value if inspect.isawaitable(value) else value
-        # Stored verbatim when it fits the column; a longer one by its digest.
-        return name if len(name) <= 255 else hashlib.sha256(name.encode()).hexdigest()
+        # Stored verbatim when it fits the column; a longer one, or one that looks like a
+        # digest, by its own digest, so that no two callers ever share a scope.
+        if len(name) <= 255 and not name.startswith(_DIGEST_PREFIX):
+            return name
+        return _DIGEST_PREFIX + hashlib.sha256(name.encode()).hexdigest()
 
     def fingerprint(self, scope: Scope, headers: Headers, template: str, body: bytes) -> str:
         """The request's hash: method, route template, path, query, chosen headers, body."""
@@ -227,7 +231,12 @@ class _Exchange:
     async def run(self) -> None:
         mw = self.mw
         declared = self.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > mw._max_request_bytes:
+        # ASCII digits only, and few enough of them for int(): the server may not have checked.
+        if (
+            declared.isascii()
+            and declared.isdigit()
+            and (len(declared) > 18 or int(declared) > mw._max_request_bytes)
+        ):
             await self._too_large()
             return
         body = await self._read_body()

@@ -155,5 +155,7 @@ def _match_in(routes: list[BaseRoute], scope: Scope) -> tuple[str, object] | Non
             found = (scope["path"], None)
         if match is Match.FULL:
             return found
-        partial = partial or found
+        # A route that matches the path but not the method answers 405: its template counts,
+        # its endpoint's settings do not.
+        partial = partial or (found[0], None)
     return partial

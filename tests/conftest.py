@@ -63,10 +63,20 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
     yield url
 
 
+_REBUILT: set[str] = set()
+
+
 async def fresh_sql_store(url: str) -> SQLStore:
-    """A SQLStore on an empty idempotency table at ``url``."""
+    """A SQLStore on an empty idempotency table at ``url``.
+
+    A server's table is rebuilt from the model once per session, so a table that an older
+    version left behind never stands in for the current one.
+    """
     engine = create_async_engine(async_url(url))
     async with engine.begin() as conn:
+        if url not in _REBUILT:
+            await conn.run_sync(metadata.drop_all)
+            _REBUILT.add(url)
         await conn.run_sync(metadata.create_all)
         await conn.execute(text("DELETE FROM idempotency_records"))
     await engine.dispose()

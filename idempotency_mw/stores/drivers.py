@@ -98,6 +98,8 @@ class SQLAlchemyDriver:
         self, engine: AsyncEngine, *, transactions: AsyncEngine | None = None, owned: bool
     ) -> None:
         self.dialect_name = engine.dialect.name
+        # Some drivers raise their own errors past SQLAlchemy (while a connection is set up).
+        self.errors = (SQLAlchemyError, engine.dialect.loaded_dbapi.Error)
         self._owned = owned
         self._transactions = transactions or engine
         self._autocommit = (

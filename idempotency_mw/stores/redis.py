@@ -8,10 +8,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from idempotency_mw.exceptions import ConfigurationError, StoreError
+from idempotency_mw.exceptions import ConfigurationError, StoreError, describe
 from idempotency_mw.records import (
     Claim,
     ClaimOutcome,
@@ -146,11 +149,15 @@ class RedisStore:
     ) -> None:
         if client is None and url is not None:
             try:
+                # One retry on a broken connection: a pooled connection that died during an
+                # outage fails once, and every script is safe to run again with its token.
                 client = redis.asyncio.Redis.from_url(
                     url,
                     socket_timeout=socket_timeout,
                     socket_connect_timeout=socket_timeout,
                     decode_responses=False,
+                    retry=Retry(NoBackoff(), 1),
+                    retry_on_error=[RedisConnectionError],
                 )
             except ValueError as exc:
                 raise ConfigurationError(f"not a Redis URL: {exc}") from exc
@@ -253,7 +260,7 @@ class RedisStore:
         try:
             return await operation()
         except (RedisError, OSError, TimeoutError) as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+            raise StoreError(describe(exc)) from exc
 
 
 def _text(value: bytes | str) -> str:

@@ -26,16 +26,18 @@ metadata = MetaData(
     }
 )
 
-# MySQL/MariaDB compare strings case-insensitively by default; keys are case-sensitive.
-_Text = String(255).with_variant(mysql.VARCHAR(255, collation="utf8mb4_bin"), "mysql", "mariadb")
-# A plain BLOB holds 64 KiB on MySQL/MariaDB; responses may be larger.
-_Bytes = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
+#: Case-sensitive text: MySQL/MariaDB compare strings case-insensitively by default.
+ExactString = String(255).with_variant(
+    mysql.VARCHAR(255, collation="utf8mb4_bin"), "mysql", "mariadb"
+)
+#: Bytes of any size: a plain BLOB holds only 64 KiB on MySQL/MariaDB.
+LongBinary = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 
 records = Table(
     TABLE_NAME,
     metadata,
-    Column("scope", _Text, nullable=False),
-    Column("key", _Text, nullable=False),
+    Column("scope", ExactString, nullable=False),
+    Column("key", ExactString, nullable=False),
     Column("request_hash", String(64), nullable=False),
     Column("status", String(16), nullable=False),
     Column("token", String(32), nullable=False),
@@ -44,8 +46,8 @@ records = Table(
     Column("lease_expires_at", BigInteger, nullable=False),
     Column("expires_at", BigInteger, nullable=False),
     Column("response_status", Integer, nullable=True),
-    Column("response_headers", _Bytes, nullable=True),
-    Column("result_payload", _Bytes, nullable=True),
+    Column("response_headers", LongBinary, nullable=True),
+    Column("result_payload", LongBinary, nullable=True),
     PrimaryKeyConstraint("scope", "key"),
     Index(None, "expires_at"),
 )

@@ -29,7 +29,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import FunctionElement
 from sqlalchemy.types import BigInteger, Integer
 
-from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError
+from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
 from idempotency_mw.records import (
     Claim,
     ClaimOutcome,
@@ -265,7 +265,7 @@ class SQLStore:
             async with asyncio.timeout(self._operation_timeout):
                 return await operation
         except self._errors as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+            raise StoreError(describe(exc)) from exc
 
 
 def _driver_for(database: str | URL | AsyncEngine) -> Driver:
@@ -282,11 +282,10 @@ def _driver_for(database: str | URL | AsyncEngine) -> Driver:
         return SQLAlchemyDriver(create_async_engine(url, poolclass=StaticPool), owned=True)
     # Two pools, so that no connection switches isolation level on every checkout. READ
     # COMMITTED spares MariaDB/MySQL the gap locks that make concurrent purges deadlock.
-    options = (
-        {"connect_args": {"init_command": _READ_COMMITTED}}
-        if backend in ("mysql", "mariadb")
-        else {}
-    )
+    # Pre-ping: a connection pooled before an outage is replaced, not handed out dead.
+    options: dict[str, Any] = {"pool_pre_ping": True}
+    if backend in ("mysql", "mariadb"):
+        options["connect_args"] = {"init_command": _READ_COMMITTED}
     return SQLAlchemyDriver(
         create_async_engine(url, isolation_level="AUTOCOMMIT", **options),
         transactions=create_async_engine(url, **options),

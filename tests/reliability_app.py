@@ -1,0 +1,159 @@
+"""A small service for the reliability tests: handlers that sleep, stream and log their runs.
+
+Every handler writes its runs to a SQLite file (:class:`Effects`), which outlives a killed
+worker and is shared by every worker process: a run is logged as ``started`` when the handler
+begins and ``done`` when its side effect has happened, with the request's key.
+
+Under uvicorn (``uvicorn --factory tests.reliability_app:create_app``, or the module attribute
+``tests.reliability_app:app``) it is configured by the environment:
+
+- ``RELIABILITY_STORE``: the store's URL (SQLite, PostgreSQL, MariaDB or Redis);
+- ``RELIABILITY_REDIS_PREFIX``: the Redis key prefix (default ``idem:``);
+- ``RELIABILITY_EFFECTS``: the SQLite file handlers log their runs to;
+- ``RELIABILITY_LEASE``: the lease in seconds (default 1);
+- ``RELIABILITY_DELAY``: how long ``POST /work`` sleeps before its side effect (default 0).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.requests import HTTPConnection
+
+from idempotency_mw import IdempotencyMiddleware, RedisStore, SQLStore, Store, idempotent
+
+KEY_HEADER = "idempotency-key"
+
+
+class Effects:
+    """The log of handler runs, in a SQLite file that several processes share."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        with closing(self._connect()) as db, db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY AUTOINCREMENT,"
+                " route TEXT NOT NULL, key TEXT NOT NULL, phase TEXT NOT NULL,"
+                " pid INTEGER NOT NULL)"
+            )
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=30)
+        db.execute("PRAGMA busy_timeout=30000")
+        return db
+
+    def log(self, route: str, key: str, phase: str) -> int:
+        """Log one step of a run; the id of the row."""
+        with closing(self._connect()) as db, db:
+            cursor = db.execute(
+                "INSERT INTO runs (route, key, phase, pid) VALUES (?, ?, ?, ?)",
+                (route, key, phase, os.getpid()),
+            )
+            return int(cursor.lastrowid or 0)
+
+    async def alog(self, route: str, key: str, phase: str) -> int:
+        return await anyio.to_thread.run_sync(self.log, route, key, phase)
+
+    def count(self, key: str | None = None, phase: str = "done") -> int:
+        """Runs that reached ``phase``, of one key or of all."""
+        query = "SELECT COUNT(*) FROM runs WHERE phase = ?"
+        args: tuple[str, ...] = (phase,)
+        if key is not None:
+            query += " AND key = ?"
+            args += (key,)
+        with closing(self._connect()) as db:
+            return int(db.execute(query, args).fetchone()[0])
+
+    def per_key(self, phase: str = "done") -> dict[str, int]:
+        """How many runs of each key reached ``phase``."""
+        with closing(self._connect()) as db:
+            rows = db.execute(
+                "SELECT key, COUNT(*) FROM runs WHERE phase = ? GROUP BY key", (phase,)
+            ).fetchall()
+        return {str(key): int(count) for key, count in rows}
+
+
+def caller_of(connection: HTTPConnection) -> str:
+    return connection.headers.get("x-caller", "")
+
+
+def store_from_url(url: str, redis_prefix: str = "idem:") -> Store:
+    if url.startswith("redis"):
+        return RedisStore(url, prefix=redis_prefix, socket_timeout=2)
+    return SQLStore(url, operation_timeout=2)
+
+
+def create_app(
+    store: Store | None = None,
+    *,
+    effects: Effects | None = None,
+    lease: float | None = None,
+    delay: float | None = None,
+    **options: Any,
+) -> FastAPI:
+    """The service; what is not given comes from the environment (see the module's doc)."""
+    env = os.environ
+    if store is None:
+        store = store_from_url(
+            env["RELIABILITY_STORE"], env.get("RELIABILITY_REDIS_PREFIX", "idem:")
+        )
+    if effects is None:
+        effects = Effects(env["RELIABILITY_EFFECTS"])
+    lease = float(env.get("RELIABILITY_LEASE", "1")) if lease is None else lease
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store, lease=lease, scope=caller_of, **options)
+    app.state.effects = effects
+    app.state.delay = float(env.get("RELIABILITY_DELAY", "0")) if delay is None else delay
+
+    @app.get("/health")
+    async def health() -> dict[str, int]:
+        return {"pid": os.getpid()}
+
+    @app.post("/work")
+    @idempotent(required=True)
+    async def work(request: Request) -> dict[str, Any]:
+        key = request.headers.get(KEY_HEADER, "")
+        await effects.alog("work", key, "started")
+        await anyio.sleep(app.state.delay)
+        run = await effects.alog("work", key, "done")
+        return {"run": run, "pid": os.getpid(), "body": (await request.body()).decode()}
+
+    @app.post("/upload")
+    @idempotent(required=True)
+    async def upload(request: Request) -> dict[str, int]:
+        key = request.headers.get(KEY_HEADER, "")
+        body = await request.body()
+        run = await effects.alog("upload", key, "done")
+        return {"run": run, "size": len(body)}
+
+    @app.post("/stream")
+    @idempotent(required=True)
+    async def stream(request: Request, chunks: int = 10, interval: float = 0.05) -> Any:
+        key = request.headers.get(KEY_HEADER, "")
+        await effects.alog("stream", key, "started")
+
+        async def produce() -> AsyncIterator[bytes]:
+            for index in range(chunks):
+                yield f"chunk {index}\n".encode()
+                await anyio.sleep(interval)
+            await effects.alog("stream", key, "done")
+
+        return StreamingResponse(produce(), media_type="text/plain")
+
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    # ``tests.reliability_app:app`` builds the app from the environment when first asked for.
+    if name == "app":
+        return create_app()
+    raise AttributeError(name)

@@ -1,0 +1,86 @@
+"""Several uvicorn worker processes sharing one store: one key's burst runs the handler once."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from tests.conftest import POSTGRESQL_URL, REDIS_URL, fresh_sql_store, require_server
+from tests.faults import ServerProcess
+from tests.reliability_app import Effects
+
+pytestmark = pytest.mark.anyio
+
+WORKERS = 3
+BURST = 30
+
+
+@pytest.fixture(params=["postgresql", "redis", "sqlite"])
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "redis":
+        require_server(REDIS_URL)
+        return REDIS_URL
+    url = POSTGRESQL_URL if request.param == "postgresql" else f"sqlite:///{tmp_path / 'i.db'}"
+    if request.param == "postgresql":
+        require_server(url)
+    await (await fresh_sql_store(url)).aclose()
+    return url
+
+
+@pytest.fixture
+def workers(store_url: str, tmp_path: Path) -> Iterator[list[ServerProcess]]:
+    env = {
+        "RELIABILITY_STORE": store_url,
+        "RELIABILITY_REDIS_PREFIX": f"test-workers-{uuid.uuid4().hex}:",
+        "RELIABILITY_EFFECTS": str(tmp_path / "effects.db"),
+        "RELIABILITY_DELAY": "0.1",
+    }
+    Effects(env["RELIABILITY_EFFECTS"])
+    servers = [ServerProcess("tests.reliability_app:create_app", env) for _ in range(WORKERS)]
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def test_a_burst_across_worker_processes_runs_once(
+    workers: list[ServerProcess], tmp_path: Path
+) -> None:
+    key = f"burst-{uuid.uuid4().hex}"
+    answers: list[httpx.Response] = []
+
+    async def post(client: httpx.AsyncClient, server: ServerProcess) -> None:
+        answers.append(
+            await client.post(
+                server.url + "/work", content=b"same", headers={"Idempotency-Key": key}
+            )
+        )
+
+    async with httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        for index in range(BURST):
+            group.start_soon(post, client, workers[index % WORKERS])
+    effects = Effects(tmp_path / "effects.db")
+    assert effects.count(key) == 1
+    assert len({response.json()["pid"] for response in answers if response.status_code == 200}) <= 1
+    assert all(response.status_code in (200, 409) for response in answers)
+
+    # Once done, every worker replays the one answer.
+    async with httpx.AsyncClient(timeout=30) as client:
+        replays = [
+            await client.post(
+                server.url + "/work", content=b"same", headers={"Idempotency-Key": key}
+            )
+            for server in workers
+        ]
+    assert {r.status_code for r in replays} == {200}
+    assert {r.headers["idempotent-replayed"] for r in replays} == {"true"}
+    assert len({r.content for r in replays}) == 1
+    assert effects.count(key) == 1
