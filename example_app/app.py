@@ -109,7 +109,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
     @app.post("/tickets/{ticket_id}/emails", status_code=202)
     @idempotent(ttl=timedelta(minutes=10), required=True)
     async def send_email(
-        ticket_id: Annotated[int, Path(ge=1, le=2**63 - 1)], email: EmailIn
+        ticket_id: Annotated[int, Path(ge=1, le=2**31 - 1)], email: EmailIn
     ) -> Email:
         async with engine.begin() as conn:
             result = await conn.execute(
