@@ -44,7 +44,6 @@ DEFAULT_UNRECORDED_HEADERS = frozenset(
 )
 REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 MAX_KEY_LENGTH = 255
-_DIGEST_PREFIX = "sha256:"
 
 CallerScope = Callable[[HTTPConnection], str | Awaitable[str]]
 
@@ -151,12 +150,7 @@ class IdempotencyMiddleware:
         if self._caller_scope is None:
             return ""
         value = self._caller_scope(HTTPConnection(scope))
-        name = await value if inspect.isawaitable(value) else value
-        # Stored verbatim when it fits the column; a longer one, or one that looks like a
-        # digest, by its own digest, so that no two callers ever share a scope.
-        if len(name) <= 255 and not name.startswith(_DIGEST_PREFIX):
-            return name
-        return _DIGEST_PREFIX + hashlib.sha256(name.encode()).hexdigest()
+        return await value if inspect.isawaitable(value) else value
 
     def fingerprint(self, scope: Scope, headers: Headers, template: str, body: bytes) -> str:
         """The request's hash: method, route template, path, query, chosen headers, body."""

@@ -620,17 +620,8 @@ def test_example_service_on_postgresql_ticket_id_beyond_int32_is_not_a_500() -> 
 
 @pytest.mark.anyio
 async def test_keys_and_scopes_differing_by_trailing_spaces_are_different_records(
-    store: Any, request: pytest.FixtureRequest
+    store: Any,
 ) -> None:
-    if request.node.callspec.params["store"] == "mariadb":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="schema on MariaDB: scope and key are VARCHAR COLLATE utf8mb4_bin, a PAD "
-                "SPACE collation: 'k' and 'k ' are one primary key, so a quoted key '\"k \"' "
-                "replays the response of key 'k' (and caller 'a ' gets caller 'a''s)",
-            )
-        )
     fingerprint = "f" * 64
     for scope, key in [("alice", "k"), ("alice ", "k"), ("bob", "k "), ("bob", "k")]:
         claim = await store.claim(scope, key, fingerprint, ttl=60, lease=10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -188,8 +189,7 @@ class SQLStore:
     ) -> Claim:
         token = uuid.uuid4().hex
         params = {
-            "p_scope": scope,
-            "p_key": key,
+            **_record_of(scope, key),
             "p_fingerprint": fingerprint,
             "p_token": token,
             "p_ttl_ms": int(ttl * 1000),
@@ -208,15 +208,14 @@ class SQLStore:
         raise StoreError(f"the record of a key kept changing while it was claimed ({TABLE_NAME})")
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
-        params = {"p_scope": scope, "p_key": key, "p_token": token, "p_lease_ms": int(lease * 1000)}
+        params = {**_record_of(scope, key), "p_token": token, "p_lease_ms": int(lease * 1000)}
         return await self._call(self._driver.change(_RENEW, params)) == 1
 
     async def complete(
         self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
     ) -> bool:
         params: dict[str, Any] = {
-            "p_scope": scope,
-            "p_key": key,
+            **_record_of(scope, key),
             "p_token": token,
             "p_ttl_ms": int(ttl * 1000),
             "p_status": RecordStatus.UNREPLAYABLE.value,
@@ -234,7 +233,7 @@ class SQLStore:
         return await self._call(self._driver.change(_COMPLETE, params)) == 1
 
     async def release(self, scope: str, key: str, token: str) -> bool:
-        params = {"p_scope": scope, "p_key": key, "p_token": token}
+        params = {**_record_of(scope, key), "p_token": token}
         return await self._call(self._driver.change(_RELEASE, params)) == 1
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
@@ -294,6 +293,25 @@ def _driver_for(database: str | URL | AsyncEngine) -> Driver:
 
 
 _READ_COMMITTED = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
+
+
+_DIGEST = "sha256:"
+
+
+def _stored(name: str) -> str:
+    """``name`` as the table stores it: verbatim, or as its digest when it may not be.
+
+    A name that does not fit the column, or ends with a space (MariaDB/MySQL collations ignore
+    trailing spaces, so 'k' and 'k ' would be one record), or looks like a digest, is stored
+    as its own digest: no two names ever share a record.
+    """
+    if len(name) <= 255 and not name.endswith(" ") and not name.startswith(_DIGEST):
+        return name
+    return _DIGEST + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _record_of(scope: str, key: str) -> dict[str, str]:
+    return {"p_scope": _stored(scope), "p_key": _stored(key)}
 
 
 def _outcome_of(row: Sequence[Any] | None, fingerprint: str) -> Claim | None:
