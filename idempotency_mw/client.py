@@ -19,6 +19,7 @@ journal write); :class:`IdempotentClient` and :class:`SyncIdempotentClient` only
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 import itertools
@@ -372,7 +373,26 @@ _SQLITE_UPSERT = "ON CONFLICT (key) DO UPDATE SET " + ", ".join(
 )
 
 
-class SQLiteJournal:
+class _ClosedOnExit(abc.ABC):
+    """``with journal:`` closes the journal at the end of the block."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the journal opened."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class SQLiteJournal(_ClosedOnExit):
     """A :class:`Journal` in a SQLite file (``":memory:"`` for one that does not persist).
 
     One connection guarded by a lock; WAL and a busy timeout let processes share the file.
@@ -429,17 +449,6 @@ class SQLiteJournal:
         """Close the database connection."""
         with self._lock:
             self._db.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _write(self, entry: JournalEntry, on_conflict: str) -> None:
         now = time.time()
@@ -525,7 +534,7 @@ def sync_url(url: str | URL) -> URL:
     return parsed.set(drivername=f"{backend}+{driver}" if driver else backend)
 
 
-class SQLJournal:
+class SQLJournal(_ClosedOnExit):
     """A :class:`Journal` in the table ``idempotency_client_journal`` of a SQL database
     (SQLite, PostgreSQL, MariaDB/MySQL), e.g. the server store's.
 
@@ -593,17 +602,6 @@ class SQLJournal:
         if self._owns_engine:
             self._engine.dispose()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def _create(self) -> None:
         with self._lock:
             if self._created:
@@ -659,7 +657,7 @@ return key
 """
 
 
-class RedisJournal:
+class RedisJournal(_ClosedOnExit):
     """A :class:`Journal` in Redis, e.g. the server store's.
 
     Each entry is a hash ``<prefix>op:<key>``; ``<prefix>refs`` maps name and ref to keys,
@@ -731,17 +729,6 @@ class RedisJournal:
         """Close the Redis client, if the journal made it."""
         if self._owns_client:
             self._client.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _op(self, key: str) -> str:
         return f"{self._prefix}op:{key}"
