@@ -74,6 +74,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from idempotency_mw.exceptions import ConfigurationError, IdempotencyError
+from idempotency_mw.stores.redis import binary_client
 from idempotency_mw.stores.schema import ExactString, LongBinary
 
 logger = logging.getLogger("idempotency_mw.client")
@@ -673,21 +674,13 @@ class RedisJournal(_ClosedOnExit):
         client: redis.Redis | None = None,
         prefix: str = "idem-journal:",
     ) -> None:
-        if client is None and url is not None:
-            try:
-                client = redis.Redis.from_url(url, decode_responses=False)
-            except ValueError as exc:
-                raise ConfigurationError(f"not a Redis URL: {exc}") from exc
-            self._owns_client = True
-        elif client is not None and url is None:
-            self._owns_client = False
-        else:
-            raise ConfigurationError("RedisJournal needs exactly one of url= or client=")
-        if client.connection_pool.connection_kwargs.get("decode_responses", False):
-            raise ConfigurationError(
-                "RedisJournal needs a Redis client with decode_responses=False: entries hold "
-                "binary request bodies"
-            )
+        client, self._owns_client = binary_client(
+            url,
+            client,
+            lambda address: redis.Redis.from_url(address, decode_responses=False),
+            owner="RedisJournal",
+            holds="entries hold binary request bodies",
+        )
         self._client = client
         self._prefix = prefix
         self._script = client.register_script(_REDIS_WRITE)

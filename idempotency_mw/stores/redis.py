@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -125,6 +126,32 @@ return redis.call('DEL', KEYS[1])
 """
 
 
+Client = TypeVar("Client", redis.Redis, redis.asyncio.Redis)
+
+
+def binary_client(
+    url: str | None,
+    client: Client | None,
+    make: Callable[[str], Client],
+    *,
+    owner: str,
+    holds: str,
+) -> tuple[Client, bool]:
+    """The client to use, made from ``url`` or given, and whether ``owner`` made it."""
+    if (url is None) == (client is None):
+        raise ConfigurationError(f"{owner} needs exactly one of url= or client=")
+    if client is None:
+        try:
+            client = make(str(url))
+        except ValueError as exc:
+            raise ConfigurationError(f"not a Redis URL: {exc}") from exc
+    if client.connection_pool.connection_kwargs.get("decode_responses", False):
+        raise ConfigurationError(
+            f"{owner} needs a Redis client with decode_responses=False: {holds}"
+        )
+    return client, url is not None
+
+
 def _ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
@@ -147,30 +174,22 @@ class RedisStore:
         prefix: str = "idem:",
         socket_timeout: float = 5.0,
     ) -> None:
-        if client is None and url is not None:
-            try:
-                # One retry on a broken connection: a pooled connection that died during an
-                # outage fails once, and every script is safe to run again with its token.
-                client = redis.asyncio.Redis.from_url(
-                    url,
-                    socket_timeout=socket_timeout,
-                    socket_connect_timeout=socket_timeout,
-                    decode_responses=False,
-                    retry=Retry(NoBackoff(), 1),
-                    retry_on_error=[RedisConnectionError],
-                )
-            except ValueError as exc:
-                raise ConfigurationError(f"not a Redis URL: {exc}") from exc
-            self._owns_client = True
-        elif client is not None and url is None:
-            self._owns_client = False
-        else:
-            raise ConfigurationError("RedisStore needs exactly one of url= or client=")
-        if client.connection_pool.connection_kwargs.get("decode_responses", False):
-            raise ConfigurationError(
-                "RedisStore needs a Redis client with decode_responses=False: records hold "
-                "binary response bodies"
-            )
+        # One retry on a broken connection: a pooled connection that died during an outage
+        # fails once, and every script is safe to run again with its token.
+        client, self._owns_client = binary_client(
+            url,
+            client,
+            lambda address: redis.asyncio.Redis.from_url(
+                address,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=socket_timeout,
+                decode_responses=False,
+                retry=Retry(NoBackoff(), 1),
+                retry_on_error=[RedisConnectionError],
+            ),
+            owner="RedisStore",
+            holds="records hold binary response bodies",
+        )
         self._client = client
         self._prefix = prefix
         self._claim = client.register_script(_CLAIM)
