@@ -205,6 +205,9 @@ def build_app(
 
 def create_app() -> FastAPI:
     """uvicorn factory: the variant named by ``BENCH_VARIANT`` (see the module docstring)."""
+    from benchmarks.common import set_nodelay_on_every_tcp_connection
+
+    set_nodelay_on_every_tcp_connection()
     variant = os.environ.get("BENCH_VARIANT", "bare")
     directory = os.environ.get("BENCH_SQLITE_DIR") or tempfile.gettempdir()
     built = build_app(

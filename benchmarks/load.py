@@ -72,11 +72,12 @@ def create_service() -> Any:
     app is built as it ships, then its middleware is given a RedisStore before the middleware
     stack is first built.
     """
+    from benchmarks.common import set_nodelay_on_every_tcp_connection
     from example_app.app import create_app
     from idempotency_mw import IdempotencyMiddleware, RedisStore
 
     if os.environ.get("LOAD_NODELAY") == "1":
-        _set_nodelay_on_every_tcp_connection()
+        set_nodelay_on_every_tcp_connection()
     app = create_app(os.environ["LOAD_DATABASE_URL"])
     if os.environ.get("LOAD_STORE") == "redis":
         (middleware,) = [m for m in app.user_middleware if m.cls is IdempotencyMiddleware]
@@ -84,24 +85,6 @@ def create_service() -> Any:
             os.environ["LOAD_REDIS_URL"], prefix=os.environ.get("LOAD_REDIS_PREFIX", "idem:")
         )
     return app
-
-
-def _set_nodelay_on_every_tcp_connection() -> None:
-    """Work around uvicorn's ``--workers``: its connections keep Nagle's algorithm on.
-
-    uvicorn binds the listening socket of its workers as ``socket.socket(AF_INET)``, whose
-    ``proto`` is 0, and asyncio sets TCP_NODELAY only on sockets whose ``proto`` is
-    IPPROTO_TCP. With Nagle on, the body of each response on a kept-alive connection waits
-    for the ACK of its headers, which the client delays: about 40 ms per request. Called in
-    each worker before uvicorn starts serving.
-    """
-    import asyncio.base_events
-
-    def set_nodelay(sock: socket.socket) -> None:
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    asyncio.base_events._set_nodelay = set_nodelay  # type: ignore[attr-defined]
 
 
 def check_loopback(url: str) -> str:

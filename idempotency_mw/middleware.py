@@ -395,7 +395,8 @@ def parse_key(raw: str) -> str | None:
     if raw.startswith('"'):
         key = _unquote_sf_string(raw[1:-1]) if len(raw) >= 2 and raw.endswith('"') else None
     else:
-        key = raw if all("!" <= char <= "~" for char in raw) else None
+        # Printable ASCII without the space: "!" to "~".
+        key = raw if raw.isascii() and raw.isprintable() and " " not in raw else None
     if key is None or not 1 <= len(key) <= MAX_KEY_LENGTH:
         return None
     return key

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -97,6 +98,15 @@ async def sql_store(database_url: str) -> AsyncIterator[SQLStore]:
     store = await fresh_sql_store(database_url)
     yield store
     await store.aclose()
+
+
+@pytest.fixture
+async def redis_client() -> AsyncIterator[redis.asyncio.Redis]:
+    """A redis-py client of the test's own, to look behind a store's back."""
+    require_server(REDIS_URL)
+    client = redis.asyncio.Redis.from_url(REDIS_URL)
+    yield client
+    await client.aclose()
 
 
 STORES = [*DATABASES, "redis"]

@@ -14,7 +14,7 @@ import redis.asyncio
 from idempotency_mw.exceptions import ConfigurationError, StoreError
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.stores.base import Store
-from idempotency_mw.stores.redis import RedisStore
+from idempotency_mw.stores.redis import _CLAIM, RedisStore
 from tests.conftest import REDIS_URL, require_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.servers]
@@ -37,24 +37,27 @@ async def delete_prefix(client: redis.asyncio.Redis, prefix: str) -> None:
         await client.delete(*keys)
 
 
-@pytest.fixture
-async def store() -> AsyncIterator[RedisStore]:
-    """A started RedisStore with its own prefix; its keys are deleted afterwards."""
+@pytest.fixture(params=["pipelined", "redis-py"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
+    """A started RedisStore with its own prefix, on each of its two connections.
+
+    "pipelined" is made from a URL (its own pipelined connection); "redis-py" is given a
+    redis-py client. Its keys are deleted afterwards.
+    """
     require_server(REDIS_URL)
     prefix = unique_prefix()
-    store = RedisStore(REDIS_URL, prefix=prefix)
+    given = None if request.param == "pipelined" else redis.asyncio.Redis.from_url(REDIS_URL)
+    store = (
+        RedisStore(REDIS_URL, prefix=prefix)
+        if given is None
+        else RedisStore(client=given, prefix=prefix)
+    )
     await store.startup()
     yield store
     await delete_prefix(store.client, prefix)
     await store.aclose()
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[redis.asyncio.Redis]:
-    require_server(REDIS_URL)
-    client = redis.asyncio.Redis.from_url(REDIS_URL)
-    yield client
-    await client.aclose()
+    if given is not None:
+        await given.aclose()
 
 
 async def claim(
@@ -338,10 +341,17 @@ async def test_a_retried_script_call_keeps_its_outcome(store: RedisStore) -> Non
     # redis-py resends a command whose reply was lost; the same token must not lose its claim.
     redis_key = store.redis_key(SCOPE, "k")
     args: list[str | int] = ["fp", "token-1", 60_000, 30_000]
-    assert (await store._claim(keys=[redis_key], args=args))[0] == b"acquired"
-    assert (await store._claim(keys=[redis_key], args=args))[0] == b"acquired"
+    assert (await store._run(_CLAIM, redis_key, *args))[0] == b"acquired"
+    assert (await store._run(_CLAIM, redis_key, *args))[0] == b"acquired"
     assert await store.complete(SCOPE, "k", "token-1", RESPONSE, ttl=60)
     assert await store.complete(SCOPE, "k", "token-1", None, ttl=60)
+    assert (await claim(store)).response == RESPONSE
+
+
+async def test_scripts_flushed_from_redis_are_loaded_again(store: RedisStore) -> None:
+    await store.client.script_flush()
+    token = await acquire(store)
+    assert await store.complete(SCOPE, "k", token, RESPONSE, ttl=60)
     assert (await claim(store)).response == RESPONSE
 
 
@@ -352,7 +362,8 @@ async def test_non_hash_value_raises_store_error(store: RedisStore) -> None:
     assert isinstance(caught.value.__cause__, redis.exceptions.ResponseError)
 
 
-async def test_given_client_is_not_closed(client: redis.asyncio.Redis) -> None:
+async def test_given_client_is_not_closed(redis_client: redis.asyncio.Redis) -> None:
+    client = redis_client
     prefix = unique_prefix()
     store = RedisStore(client=client, prefix=prefix)
     await store.startup()
@@ -386,7 +397,8 @@ async def test_client_decoding_responses_is_rejected() -> None:
         RedisStore(f"{REDIS_URL}?decode_responses=True")
 
 
-async def test_exactly_one_of_url_and_client(client: redis.asyncio.Redis) -> None:
+async def test_exactly_one_of_url_and_client(redis_client: redis.asyncio.Redis) -> None:
+    client = redis_client
     with pytest.raises(ConfigurationError, match="exactly one"):
         RedisStore()
     with pytest.raises(ConfigurationError, match="exactly one"):

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-import uuid
-from collections.abc import Awaitable, Callable, Sequence
+import os
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
+from redis.asyncio.connection import UnixDomainSocketConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from idempotency_mw.exceptions import ConfigurationError, StoreError, describe
 from idempotency_mw.records import (
@@ -24,6 +24,7 @@ from idempotency_mw.records import (
     pack_headers,
     unpack_headers,
 )
+from idempotency_mw.stores.resp import Address, Arg, PipelinedConnection
 
 T = TypeVar("T")
 
@@ -39,9 +40,18 @@ end
 local function int(n) return string.format('%d', n) end
 """
 
+
+class _Script:
+    """A Lua script and the SHA-1 by which Redis knows it once loaded."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
 # KEYS[1] record; ARGV fingerprint, token, ttl ms, lease ms.
 # Returns {outcome} or {'replay', status, headers, body}.
-_CLAIM = (
+_CLAIM = _Script(
     _PRELUDE
     + """
 local key, fingerprint, token = KEYS[1], ARGV[1], ARGV[2]
@@ -81,7 +91,7 @@ return {'in_progress'}
 )
 
 # KEYS[1] record; ARGV token, lease ms. Returns 1 if renewed.
-_RENEW = (
+_RENEW = _Script(
     _PRELUDE
     + """
 local key, token, lease = KEYS[1], ARGV[1], tonumber(ARGV[2])
@@ -98,7 +108,7 @@ return 1
 
 # KEYS[1] record; ARGV token, ttl ms, status, [response status, packed headers, body].
 # Returns 1 if recorded.
-_COMPLETE = (
+_COMPLETE = _Script(
     _PRELUDE
     + """
 local key, token, ttl, status = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -119,11 +129,12 @@ return 1
 )
 
 # KEYS[1] record; ARGV token. Returns 1 if deleted.
-_RELEASE = """
+_RELEASE = _Script("""
 local r = redis.call('HMGET', KEYS[1], 'status', 'token')
 if r[1] ~= 'in_progress' or r[2] ~= ARGV[1] then return 0 end
 return redis.call('DEL', KEYS[1])
-"""
+""")
+_SCRIPTS = (_CLAIM, _RENEW, _COMPLETE, _RELEASE)
 
 
 Client = TypeVar("Client", redis.Redis, redis.asyncio.Redis)
@@ -159,11 +170,13 @@ def _ms(seconds: float) -> int:
 class RedisStore:
     """Idempotency records in Redis, one hash per record.
 
-    Give either ``url`` (the store creates its client, with ``socket_timeout`` seconds for
-    connecting and for every reply, and closes it in :meth:`aclose`) or ``client``, a
-    ``redis.asyncio.Redis`` with ``decode_responses=False`` that the store never closes. Keys
-    are ``prefix`` plus a digest of scope and key in braces, so a record lives in one cluster
-    slot.
+    Give either ``url`` or ``client``. From a ``redis://`` or ``unix://`` URL (host, port,
+    database, user and password; no other options) the store opens one pipelined connection
+    that every request shares; any other URL (``rediss://``, options in the query) gets a
+    redis-py client. ``socket_timeout`` seconds bound connecting and every reply, and the store
+    closes what it opened in :meth:`aclose`. A given ``client``, a ``redis.asyncio.Redis`` with
+    ``decode_responses=False``, is used as it is and never closed. Keys are ``prefix`` plus a
+    digest of scope and key in braces, so a record lives in one cluster slot.
     """
 
     def __init__(
@@ -192,14 +205,14 @@ class RedisStore:
         )
         self._client = client
         self._prefix = prefix
-        self._claim = client.register_script(_CLAIM)
-        self._renew = client.register_script(_RENEW)
-        self._complete = client.register_script(_COMPLETE)
-        self._release = client.register_script(_RELEASE)
+        address = None if url is None else _plain_address(url)
+        self._pipe = (
+            None if address is None else PipelinedConnection(address, timeout=socket_timeout)
+        )
 
     @property
     def client(self) -> redis.asyncio.Redis:
-        """The Redis client the store runs on."""
+        """A redis-py client on the store's server, for inspecting records."""
         return self._client
 
     @property
@@ -219,9 +232,9 @@ class RedisStore:
     async def claim(
         self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
     ) -> Claim:
-        token = uuid.uuid4().hex
+        token = os.urandom(16).hex()
         reply = await self._run(
-            self._claim, self.redis_key(scope, key), [fingerprint, token, _ms(ttl), _ms(lease)]
+            _CLAIM, self.redis_key(scope, key), fingerprint, token, _ms(ttl), _ms(lease)
         )
         outcome = ClaimOutcome(_text(reply[0]))
         if outcome is ClaimOutcome.ACQUIRED:
@@ -233,12 +246,12 @@ class RedisStore:
         return Claim(outcome)
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
-        return bool(await self._run(self._renew, self.redis_key(scope, key), [token, _ms(lease)]))
+        return bool(await self._run(_RENEW, self.redis_key(scope, key), token, _ms(lease)))
 
     async def complete(
         self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
     ) -> bool:
-        args: list[str | int | bytes] = [token, _ms(ttl)]
+        args: list[Arg] = [token, _ms(ttl)]
         if response is None:
             args.append(RecordStatus.UNREPLAYABLE.value)
         else:
@@ -248,10 +261,10 @@ class RedisStore:
                 pack_headers(response.headers),
                 response.body,
             ]
-        return bool(await self._run(self._complete, self.redis_key(scope, key), args))
+        return bool(await self._run(_COMPLETE, self.redis_key(scope, key), *args))
 
     async def release(self, scope: str, key: str, token: str) -> bool:
-        return bool(await self._run(self._release, self.redis_key(scope, key), [token]))
+        return bool(await self._run(_RELEASE, self.redis_key(scope, key), token))
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
         """Nothing to do: Redis deletes records when their TTL ends."""
@@ -261,25 +274,49 @@ class RedisStore:
         """Check that Redis answers and load the scripts (raises StoreError when it does not)."""
 
         async def check() -> None:
-            await self._client.ping()
-            for script in (self._claim, self._renew, self._complete, self._release):
-                await self._client.script_load(script.script)
+            await self._execute("PING")
+            for script in _SCRIPTS:
+                await self._execute("SCRIPT", "LOAD", script.source)
 
         await self._call(check)
 
     async def aclose(self) -> None:
+        if self._pipe is not None:
+            await self._pipe.aclose()
         if self._owns_client:
             await self._call(self._client.aclose)
 
-    async def _run(self, script: AsyncScript, redis_key: str, args: Sequence[Any]) -> Any:
-        """Run ``script`` on one key; EVALSHA, falling back to loading it when Redis lacks it."""
-        return await self._call(lambda: script(keys=[redis_key], args=args))
+    async def _run(self, script: _Script, redis_key: str, *args: Arg) -> Any:
+        """Run ``script`` on one key; EVALSHA, or EVAL (which loads it) when Redis lacks it."""
+
+        async def run() -> Any:
+            try:
+                return await self._execute("EVALSHA", script.sha, 1, redis_key, *args)
+            except NoScriptError:
+                return await self._execute("EVAL", script.source, 1, redis_key, *args)
+
+        return await self._call(run)
+
+    def _execute(self, *args: Arg) -> Awaitable[Any]:
+        if self._pipe is not None:
+            return self._pipe.execute(*args)
+        return self._client.execute_command(*args)  # type: ignore[no-untyped-call]
 
     async def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
         try:
             return await operation()
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreError(describe(exc)) from exc
+
+
+def _plain_address(url: str) -> Address | None:
+    """Where a URL with no options beyond host, port, database and login points, else None."""
+    options: dict[str, Any] = dict(parse_url(url))
+    if options.pop("connection_class", UnixDomainSocketConnection) is not (
+        UnixDomainSocketConnection
+    ) or not set(options) <= {"host", "port", "path", "db", "username", "password"}:
+        return None
+    return Address(**options)
 
 
 def _text(value: bytes | str) -> str:

@@ -1,0 +1,206 @@
+"""The pipelined Redis connection against a real Redis, and against servers that misbehave."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import redis.asyncio
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from idempotency_mw.exceptions import StoreError
+from idempotency_mw.stores.redis import RedisStore
+from idempotency_mw.stores.resp import Address, PipelinedConnection, pack
+from tests.conftest import REDIS_URL, require_server
+
+pytestmark = [pytest.mark.anyio, pytest.mark.servers]
+
+
+def redis_address(db: int = 0, **login: str) -> Address:
+    options = redis.asyncio.connection.parse_url(REDIS_URL)
+    return Address(
+        host=options.get("host", "localhost"), port=options.get("port", 6379), db=db, **login
+    )
+
+
+@pytest.fixture
+async def connection() -> AsyncIterator[PipelinedConnection]:
+    require_server(REDIS_URL)
+    made = PipelinedConnection(redis_address(), timeout=5)
+    yield made
+    await made.aclose()
+
+
+def test_pack_writes_resp_bulk_strings() -> None:
+    assert pack(["SET", "k", b"\x00\r\n", 12]) == (
+        b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\n\x00\r\n\r\n$2\r\n12\r\n"
+    )
+
+
+async def test_concurrent_commands_each_get_their_own_reply(
+    connection: PipelinedConnection,
+) -> None:
+    replies = await asyncio.gather(*(connection.execute("ECHO", f"n{i}") for i in range(500)))
+    assert replies == [f"n{i}".encode() for i in range(500)]
+
+
+async def test_all_commands_share_one_connection(
+    connection: PipelinedConnection, redis_client: redis.asyncio.Redis
+) -> None:
+    ids = await asyncio.gather(*(connection.execute("CLIENT", "ID") for _ in range(50)))
+    assert len(set(ids)) == 1
+
+
+async def test_error_replies_raise_and_leave_the_connection_usable(
+    connection: PipelinedConnection,
+) -> None:
+    with pytest.raises(NoScriptError):
+        await connection.execute("EVALSHA", "0" * 40, 0)
+    with pytest.raises(ResponseError, match="unknown command"):
+        await connection.execute("NO-SUCH-COMMAND")
+    assert await connection.execute("PING") == b"PONG"
+
+
+async def test_a_connection_killed_between_commands_is_replaced(
+    connection: PipelinedConnection, redis_client: redis.asyncio.Redis
+) -> None:
+    first = await connection.execute("CLIENT", "ID")
+    await redis_client.client_kill_filter(_id=first)
+    await asyncio.sleep(0.05)
+    assert await connection.execute("CLIENT", "ID") != first
+
+
+async def test_a_command_in_flight_on_a_killed_connection_is_sent_again(
+    connection: PipelinedConnection, redis_client: redis.asyncio.Redis
+) -> None:
+    queue = f"test-resp-{uuid.uuid4().hex}"
+    first = await connection.execute("CLIENT", "ID")
+    waiting = asyncio.ensure_future(connection.execute("BLPOP", queue, 5))
+    await asyncio.sleep(0.1)
+    await redis_client.client_kill_filter(_id=first)
+    await asyncio.sleep(0.1)
+    assert not waiting.done()  # sent again on a new connection, blocked there
+    await redis_client.rpush(queue, b"item")
+    assert await waiting == [queue.encode(), b"item"]
+
+
+async def test_a_slow_reply_times_out_and_what_queued_behind_it_is_sent_again() -> None:
+    require_server(REDIS_URL)
+    connection = PipelinedConnection(redis_address(), timeout=0.3)
+    try:
+        queue = f"test-resp-{uuid.uuid4().hex}"
+        began = time.monotonic()
+        blocked = asyncio.ensure_future(connection.execute("BLPOP", queue, 2))
+        behind = asyncio.ensure_future(connection.execute("PING"))
+        with pytest.raises(RedisTimeoutError):
+            await blocked
+        assert time.monotonic() - began < 1.5
+        assert await behind == b"PONG"
+    finally:
+        await connection.aclose()
+
+
+async def test_database_and_login_come_from_the_address(redis_client: redis.asyncio.Redis) -> None:
+    user, password = f"idem-test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    await redis_client.acl_setuser(
+        user, enabled=True, passwords=[f"+{password}"], keys="*", commands=["+@all"]
+    )
+    key = f"test-resp-{uuid.uuid4().hex}"
+    connection = PipelinedConnection(
+        redis_address(db=3, username=user, password=password), timeout=5
+    )
+    wrong = PipelinedConnection(redis_address(username=user, password="wrong"), timeout=5)
+    try:
+        assert await connection.execute("ACL", "WHOAMI") == user.encode()
+        await connection.execute("SET", key, b"v", "EX", 60)
+        assert await redis_client.exists(key) == 0
+        await redis_client.execute_command("SELECT", 3)
+        assert await redis_client.get(key) == b"v"
+        with pytest.raises(ResponseError, match="WRONGPASS"):
+            await wrong.execute("PING")
+    finally:
+        await redis_client.delete(key)
+        await redis_client.execute_command("SELECT", 0)
+        await redis_client.acl_deluser(user)
+        await connection.aclose()
+        await wrong.aclose()
+
+
+def test_a_store_closed_in_one_event_loop_works_in_the_next() -> None:
+    require_server(REDIS_URL)
+    store = RedisStore(REDIS_URL, prefix=f"test-resp-{uuid.uuid4().hex}:")
+
+    async def claim_and_close(key: str) -> None:
+        outcome = await store.claim("s", key, "fp", ttl=5, lease=5)
+        assert outcome.token
+        await store.aclose()
+
+    asyncio.run(claim_and_close("a"))
+    asyncio.run(claim_and_close("b"))
+
+
+async def serve(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> tuple[asyncio.Server, int]:
+    """A server on a free port that answers every connection with ``handle``, then closes it."""
+
+    async def handle_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handle(reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle_and_close, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_an_unreadable_reply_fails_the_command_instead_of_hanging() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        writer.write(b"?this is not RESP\r\n")
+        await writer.drain()
+        await reader.read(100)
+
+    server, port = await serve(garbage)
+    connection = PipelinedConnection(Address(host="127.0.0.1", port=port), timeout=2)
+    try:
+        with pytest.raises(RedisConnectionError, match="unreadable"):
+            await connection.execute("PING")
+    finally:
+        await connection.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_server_that_never_answers_times_out() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(100):  # until the client gives up and closes
+            pass
+
+    server, port = await serve(silent)
+    # Made from a plain URL, the store talks through the pipelined connection.
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", socket_timeout=0.3)
+    try:
+        began = time.monotonic()
+        with pytest.raises(StoreError, match="no reply"):
+            await store.claim("s", "k", "fp", ttl=60, lease=30)
+        assert time.monotonic() - began < 2
+    finally:
+        await store.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_refused_connection_is_a_store_error() -> None:
+    server, port = await serve(lambda reader, writer: asyncio.sleep(0))
+    server.close()
+    await server.wait_closed()
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", socket_timeout=1)
+    with pytest.raises(StoreError, match="could not connect"):
+        await store.claim("s", "k", "fp", ttl=60, lease=30)
+    await store.aclose()
