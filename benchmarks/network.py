@@ -217,6 +217,20 @@ def uvicorn_server(
         log.close()
 
 
+def install_wrk() -> bool:
+    """Install Debian's wrk package (as root, or through sudo); whether wrk is there now."""
+    apt = ["apt-get", "install", "-y", "-q", "wrk"]
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    print("… installing wrk from Debian's packages", file=sys.stderr)
+    for command in (apt, ["apt-get", "update", "-q"], apt):
+        if shutil.which(sudo[0] if sudo else "apt-get") is None:
+            return False
+        done = subprocess.run([*sudo, *command], capture_output=True, check=False)
+        if done.returncode == 0 and shutil.which("wrk"):
+            return True
+    return shutil.which("wrk") is not None
+
+
 def run_wrk(
     port: int, script: Path, duration: float, connections: int, threads: int, fixed_key: str = ""
 ) -> WrkResult:
@@ -358,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--markdown", help="write the Markdown table here")
     args = parser.parse_args(argv)
-    if shutil.which("wrk") is None:
-        print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
+    if shutil.which("wrk") is None and not install_wrk():
+        print("wrk is not installed and could not be (apt-get install wrk)", file=sys.stderr)
         return 2
     rows = measure(args)
     text = table(rows)

@@ -28,9 +28,12 @@ TARGETS = {
 }
 
 STEPS: dict[str, tuple[str, list[str]]] = {
-    "inprocess": ("In process: µs per request", ["-n", "500", "--warmup", "100"]),
+    "inprocess": ("In process: µs per request", ["-n", "2000", "--warmup", "300"]),
     "correctness": ("Correctness: 50 concurrent requests, one key, 100 ms handler", []),
-    "scale": ("Scale: claim latency against table size; fingerprint cost", ["-n", "200"]),
+    "scale": (
+        "Scale: claim latency against table size; fingerprint cost",
+        ["--full", "-n", "300"],
+    ),
     "network": (
         "Under uvicorn, loaded by wrk (32 connections, 1 thread)",
         ["--duration", "1", "--workers", "1,2"],

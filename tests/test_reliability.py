@@ -557,8 +557,8 @@ async def test_every_failure_of_a_cut_store_is_a_store_error(outage: Outage, how
     await collecting_garbage(scenario())
 
 
-@pytest.mark.parametrize("outage", ["redis"], indirect=True)
-async def test_redis_store_after_an_outage_does_not_fail_on_stale_pooled_connections(
+@pytest.mark.parametrize("outage", ["postgresql", "mariadb", "redis"], indirect=True)
+async def test_store_after_an_outage_does_not_fail_on_stale_pooled_connections(
     outage: Outage,
 ) -> None:
     async def claims(count: int) -> list[str]:

@@ -11,8 +11,8 @@ from idempotency_mw.records import Claim, StoredResponse
 class Store(Protocol):
     """Persistence of idempotency records.
 
-    A record is identified by ``(scope, key)``. Every method is one atomic step in the backend
-    (a single SQL statement or transaction, a single Lua script); none is a read followed by a
+    A record is identified by ``(scope, key)``. Every change to a record is one atomic step in
+    the backend (a single SQL statement, a single Lua script), never a read followed by a
     separate write. Times are measured by the backend's clock, never the caller's.
 
     Contract of :meth:`claim` for a record that is:

@@ -45,8 +45,8 @@ class Driver(Protocol):
         """Rows changed by one statement, run on its own (autocommit)."""
         ...
 
-    async def run_sync(self, operation: Callable[[Connection], T], *, transaction: bool) -> T:
-        """``operation`` on a SQLAlchemy connection (in one transaction if asked)."""
+    async def run_sync(self, operation: Callable[[Connection], T]) -> T:
+        """``operation`` on a SQLAlchemy connection (autocommit)."""
         ...
 
     async def aclose(self) -> None:
@@ -85,56 +85,54 @@ class _CompileCache:
 
 
 class SQLAlchemyDriver:
-    """Any dialect through SQLAlchemy's async engine.
+    """Any dialect through SQLAlchemy's async engine, every statement in autocommit.
 
-    ``engine`` runs the statements in autocommit; ``transactions`` (default: ``engine`` as
-    configured) runs the few operations that need a transaction. Engines are disposed only if
-    ``owned``.
+    ``in_autocommit`` says the engine was made with ``isolation_level="AUTOCOMMIT"``; any other
+    engine is switched to it on each connection. The engine is disposed only if ``owned``.
     """
 
     errors: tuple[type[Exception], ...] = (SQLAlchemyError,)
 
-    def __init__(
-        self, engine: AsyncEngine, *, transactions: AsyncEngine | None = None, owned: bool
-    ) -> None:
+    def __init__(self, engine: AsyncEngine, *, owned: bool, in_autocommit: bool = False) -> None:
         self.dialect_name = engine.dialect.name
         # Some drivers raise their own errors past SQLAlchemy (while a connection is set up).
         self.errors = (SQLAlchemyError, engine.dialect.loaded_dbapi.Error)
         self._owned = owned
-        self._transactions = transactions or engine
-        self._autocommit = (
-            engine if transactions else engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._engine = (
+            engine if in_autocommit else engine.execution_options(isolation_level="AUTOCOMMIT")
         )
 
     async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
         def rows(conn: Connection) -> Rows:
             return list(conn.execute(statement, params).all())
 
-        return await self.run_sync(rows, transaction=False)
+        return await self.run_sync(rows)
 
     async def change(self, statement: Executable, params: Mapping[str, Any]) -> int:
         def count(conn: Connection) -> int:
             return int(conn.execute(statement, params).rowcount)
 
-        return await self.run_sync(count, transaction=False)
+        return await self.run_sync(count)
 
-    async def run_sync(self, operation: Callable[[Connection], T], *, transaction: bool) -> T:
-        engine = self._transactions if transaction else self._autocommit
-        retries = 0
+    async def run_sync(self, operation: Callable[[Connection], T]) -> T:
+        attempts = 1
         while True:
             try:
-                async with engine.begin() as conn:
+                async with self._engine.connect() as conn:
                     return await conn.run_sync(operation)
             except DBAPIError as exc:
-                # InnoDB rolls a deadlock's victim back whole, so running it again is safe.
-                retries += 1
-                if retries > _DEADLOCK_RETRIES or _mysql_error_code(exc) != _MYSQL_DEADLOCK:
+                # Safe to run again, as every statement of the store is: a pooled connection
+                # that died (an outage, a restart) fails once and SQLAlchemy replaces it and
+                # those pooled before it; InnoDB rolls a deadlock's victim back whole.
+                if attempts >= _ATTEMPTS or not (
+                    exc.connection_invalidated or _mysql_error_code(exc) == _MYSQL_DEADLOCK
+                ):
                     raise
+                attempts += 1
 
     async def aclose(self) -> None:
         if self._owned:
-            await self._autocommit.dispose()
-            await self._transactions.dispose()
+            await self._engine.dispose()
 
 
 class AsyncpgDriver:
@@ -181,15 +179,12 @@ class AsyncpgDriver:
         status: str = await pool.execute(compiled.sql, *compiled.args(params))
         return int(status.rsplit(" ", 1)[-1])
 
-    async def run_sync(self, operation: Callable[[Connection], T], *, transaction: bool) -> T:
+    async def run_sync(self, operation: Callable[[Connection], T]) -> T:
         if self._engine is None:
-            self._engine = create_async_engine(self._url, poolclass=NullPool)
-        engine = (
-            self._engine
-            if transaction
-            else self._engine.execution_options(isolation_level="AUTOCOMMIT")
-        )
-        async with engine.begin() as conn:
+            self._engine = create_async_engine(
+                self._url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
+            )
+        async with self._engine.connect() as conn:
             return await conn.run_sync(operation)
 
     async def aclose(self) -> None:
@@ -275,7 +270,7 @@ class SQLiteDriver:
         with contextlib.suppress(sqlite3.Error):
             self._in_worker("PRAGMA wal_checkpoint(PASSIVE)", ())
 
-    async def run_sync(self, operation: Callable[[Connection], T], *, transaction: bool) -> T:
+    async def run_sync(self, operation: Callable[[Connection], T]) -> T:
         def run() -> T:
             engine = create_engine(self._sync_url, poolclass=NullPool)
             event.listen(engine, "connect", lambda conn, _: tune_sqlite(conn, self._busy_ms, True))
@@ -304,7 +299,7 @@ class SQLiteDriver:
             self._loop_connection = None
 
 
-_DEADLOCK_RETRIES = 3
+_ATTEMPTS = 3
 _MYSQL_DEADLOCK = 1213
 
 

@@ -253,7 +253,7 @@ class SQLStore:
                     f"{MIGRATE_HINT}"
                 )
 
-        await self._call(self._driver.run_sync(check, transaction=False))
+        await self._call(self._driver.run_sync(check))
 
     async def aclose(self) -> None:
         await self._driver.aclose()
@@ -279,16 +279,14 @@ def _driver_for(database: str | URL | AsyncEngine) -> Driver:
     if backend == "sqlite":
         # An in-memory SQLite database exists once per connection: keep one connection.
         return SQLAlchemyDriver(create_async_engine(url, poolclass=StaticPool), owned=True)
-    # Two pools, so that no connection switches isolation level on every checkout. READ
-    # COMMITTED spares MariaDB/MySQL the gap locks that make concurrent purges deadlock.
-    # Pre-ping: a connection pooled before an outage is replaced, not handed out dead.
-    options: dict[str, Any] = {"pool_pre_ping": True}
+    # READ COMMITTED spares MariaDB/MySQL the gap locks that make concurrent purges deadlock.
+    options: dict[str, Any] = {}
     if backend in ("mysql", "mariadb"):
         options["connect_args"] = {"init_command": _READ_COMMITTED}
     return SQLAlchemyDriver(
         create_async_engine(url, isolation_level="AUTOCOMMIT", **options),
-        transactions=create_async_engine(url, **options),
         owned=True,
+        in_autocommit=True,
     )
 
 
@@ -387,7 +385,9 @@ def _take_returning(dialect: Any) -> Take:
 def _take_on_duplicate_key() -> Take:
     # MySQL has no WHERE on ON DUPLICATE KEY UPDATE and applies assignments left to right:
     # the token is decided first, and every other column follows whether the token changed.
-    # Without RETURNING, a read in the same transaction (the row stays locked) tells the winner.
+    # Without RETURNING, a second statement reads the winner. No transaction is needed: a
+    # record that holds this request's fresh token is this request's (only the token's owner
+    # can release it, and no one can take it over while its lease runs).
     insert = mysql.insert(records).values(_NEW_RECORD)
     new = insert.inserted
     assignments: list[tuple[str, Any]] = [
@@ -401,11 +401,9 @@ def _take_on_duplicate_key() -> Take:
     upsert = insert.on_duplicate_key_update(assignments)
 
     async def take(driver: Driver, params: dict[str, Any]) -> bool:
-        def in_transaction(conn: Connection) -> bool:
-            conn.execute(upsert, params)
-            return bool(conn.execute(_WINNER, params).scalar_one() == params["p_token"])
-
-        return await driver.run_sync(in_transaction, transaction=True)
+        await driver.change(upsert, params)
+        rows = await driver.fetch(_WINNER, params)
+        return bool(rows) and rows[0][0] == params["p_token"]
 
     return take
 
