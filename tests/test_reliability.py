@@ -558,13 +558,16 @@ async def test_every_failure_of_a_cut_store_is_a_store_error(outage: Outage, how
 
 
 @pytest.mark.parametrize("outage", ["postgresql", "mariadb", "redis"], indirect=True)
+@pytest.mark.parametrize("noticed", [True, False], ids=["closed-seen", "closed-unseen"])
 async def test_store_after_an_outage_does_not_fail_on_stale_pooled_connections(
-    outage: Outage,
+    outage: Outage, noticed: bool
 ) -> None:
+    store = outage.store
+
     async def claims(count: int) -> list[str]:
         async def claim() -> str:
             try:
-                await outage.store.claim("s", uuid.uuid4().hex, "f" * 64, ttl=60, lease=10)
+                await store.claim("s", uuid.uuid4().hex, "f" * 64, ttl=60, lease=10)
             except StoreError as exc:
                 return str(exc)
             return "ok"
@@ -576,9 +579,15 @@ async def test_store_after_an_outage_does_not_fail_on_stale_pooled_connections(
         return results
 
     assert await claims(8) == ["ok"] * 8  # eight connections in the pool
-    await anyio.to_thread.run_sync(outage.proxy.cut, Cut.REFUSE)
-    await anyio.to_thread.run_sync(outage.proxy.restore)
-    # Redis is back: no claim should fail any more.
+    if noticed:
+        # The event loop runs meanwhile: the store's connections see the server close them.
+        await anyio.to_thread.run_sync(outage.proxy.cut, Cut.REFUSE)
+        await anyio.to_thread.run_sync(outage.proxy.restore)
+    else:
+        # The event loop is blocked throughout: the pooled connections look alive when used.
+        outage.proxy.cut(Cut.REFUSE)
+        outage.proxy.restore()
+    # The server is back: no claim should fail any more.
     assert await claims(8) == ["ok"] * 8
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar, cast
 
 from sqlalchemy import Connection, create_engine, event
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import URL, Dialect
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -115,69 +115,52 @@ class SQLAlchemyDriver:
         return await self.run_sync(count)
 
     async def run_sync(self, operation: Callable[[Connection], T]) -> T:
-        attempts = 1
-        while True:
-            try:
-                async with self._engine.connect() as conn:
-                    return await conn.run_sync(operation)
-            except DBAPIError as exc:
-                # Safe to run again, as every statement of the store is: a pooled connection
-                # that died (an outage, a restart) fails once and SQLAlchemy replaces it and
-                # those pooled before it; InnoDB rolls a deadlock's victim back whole.
-                if attempts >= _ATTEMPTS or not (
-                    exc.connection_invalidated or _mysql_error_code(exc) == _MYSQL_DEADLOCK
-                ):
-                    raise
-                attempts += 1
+        async def run() -> T:
+            async with self._engine.connect() as conn:
+                return await conn.run_sync(operation)
+
+        return await _with_reruns(run, _deadlock)
 
     async def aclose(self) -> None:
         if self._owned:
             await self._engine.dispose()
 
 
-class AsyncpgDriver:
-    """PostgreSQL through an asyncpg pool, statements prepared once per connection."""
+class _PooledDriver:
+    """A driver's own connection pool, opened on first use; statements compiled once.
 
-    def __init__(self, url: URL) -> None:
-        import asyncpg
+    Subclasses open and close the pool and run the compiled SQL on it. Anything that needs a
+    SQLAlchemy connection (the start-up check) gets one from an engine without a pool.
+    """
 
-        self.dialect_name = "postgresql"
-        self.errors: tuple[type[Exception], ...] = (
-            asyncpg.PostgresError,
-            asyncpg.InterfaceError,
-            SQLAlchemyError,
-        )
+    errors: tuple[type[Exception], ...]
+
+    def __init__(self, url: URL, dialect: Dialect, dialect_name: str) -> None:
+        self.dialect_name = dialect_name
         self._url = url
-        self._compile = _CompileCache(postgresql.asyncpg.dialect())  # type: ignore[no-untyped-call]
+        self._compile = _CompileCache(dialect)
         self._pool: Any = None
         self._opening = asyncio.Lock()
         self._engine: AsyncEngine | None = None
 
-    async def _connections(self) -> Any:
-        if self._pool is None:
-            import asyncpg
+    async def _open_pool(self) -> Any:
+        raise NotImplementedError
 
+    async def _close_pool(self, pool: Any) -> None:
+        raise NotImplementedError
+
+    def _may_rerun(self, exc: Exception) -> bool:
+        """Whether a statement that failed with ``exc`` had no effect and may run again."""
+        raise NotImplementedError
+
+    async def _on_pool(self, run: Callable[[Any], Awaitable[T]]) -> T:
+        """``run(pool)``, run again when it fails in a way ``_may_rerun`` allows."""
+        if self._pool is None:
             async with self._opening:
                 if self._pool is None:
-                    dsn = self._url.set(drivername="postgresql").render_as_string(False)
-                    # The store sets no session state, so returning a connection to the pool
-                    # needs no reset query (asyncpg's default costs a round trip each time).
-                    self._pool = await asyncpg.create_pool(
-                        dsn, min_size=1, max_size=10, reset=_keep_session
-                    )
-        return self._pool
-
-    async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
-        compiled = self._compile(statement)
-        pool = await self._connections()
-        rows: Rows = await pool.fetch(compiled.sql, *compiled.args(params))
-        return rows
-
-    async def change(self, statement: Executable, params: Mapping[str, Any]) -> int:
-        compiled = self._compile(statement)
-        pool = await self._connections()
-        status: str = await pool.execute(compiled.sql, *compiled.args(params))
-        return int(status.rsplit(" ", 1)[-1])
+                    self._pool = await self._open_pool()
+        pool = self._pool
+        return await _with_reruns(lambda: run(pool), self._may_rerun)
 
     async def run_sync(self, operation: Callable[[Connection], T]) -> T:
         if self._engine is None:
@@ -190,9 +173,97 @@ class AsyncpgDriver:
     async def aclose(self) -> None:
         if self._pool is not None:
             pool, self._pool = self._pool, None
-            await pool.close()
+            await self._close_pool(pool)
         if self._engine is not None:
             await self._engine.dispose()
+
+
+class AsyncpgDriver(_PooledDriver):
+    """PostgreSQL through an asyncpg pool, statements prepared once per connection."""
+
+    def __init__(self, url: URL) -> None:
+        import asyncpg
+
+        super().__init__(url, postgresql.asyncpg.dialect(), "postgresql")  # type: ignore[no-untyped-call]
+        self.errors = (asyncpg.PostgresError, asyncpg.InterfaceError, SQLAlchemyError)
+
+    async def _open_pool(self) -> Any:
+        import asyncpg
+
+        dsn = self._url.set(drivername="postgresql").render_as_string(False)
+        # The store sets no session state, so returning a connection to the pool needs no
+        # reset query (asyncpg's default costs a round trip each time).
+        return await asyncpg.create_pool(dsn, min_size=1, max_size=10, reset=_keep_session)
+
+    async def _close_pool(self, pool: Any) -> None:
+        await pool.close()
+
+    def _may_rerun(self, exc: Exception) -> bool:
+        import asyncpg
+
+        return isinstance(exc, (asyncpg.ConnectionDoesNotExistError, ConnectionError))
+
+    async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
+        compiled = self._compile(statement)
+        args = compiled.args(params)
+        rows: Rows = await self._on_pool(lambda pool: pool.fetch(compiled.sql, *args))
+        return rows
+
+    async def change(self, statement: Executable, params: Mapping[str, Any]) -> int:
+        compiled = self._compile(statement)
+        args = compiled.args(params)
+        status: str = await self._on_pool(lambda pool: pool.execute(compiled.sql, *args))
+        return int(status.rsplit(" ", 1)[-1])
+
+
+class AsyncmyDriver(_PooledDriver):
+    """MariaDB/MySQL through an asyncmy pool, in autocommit at READ COMMITTED."""
+
+    def __init__(self, url: URL) -> None:
+        import asyncmy.errors
+
+        dialect = mysql.asyncmy.dialect()
+        super().__init__(url, dialect, url.get_backend_name())
+        self._connect_args = dialect.create_connect_args(url)[1]
+        self._driver_error: type[Exception] = asyncmy.errors.Error
+        self.errors = (asyncmy.errors.Error, SQLAlchemyError)
+
+    async def _open_pool(self) -> Any:
+        import asyncmy
+
+        return await asyncmy.create_pool(
+            minsize=1,
+            maxsize=10,
+            autocommit=True,
+            init_command=READ_COMMITTED,
+            **self._connect_args,
+        )
+
+    async def _close_pool(self, pool: Any) -> None:
+        pool.close()
+        await pool.wait_closed()
+
+    def _may_rerun(self, exc: Exception) -> bool:
+        return isinstance(exc, self._driver_error) and _mysql_error_code(exc) in _MYSQL_RERUN
+
+    async def _execute(
+        self, statement: Executable, params: Mapping[str, Any], *, fetch: bool
+    ) -> tuple[Rows, int]:
+        compiled = self._compile(statement)
+        args = compiled.args(params)
+
+        async def run(pool: Any) -> tuple[Rows, int]:
+            async with pool.acquire() as conn, conn.cursor() as cursor:
+                await cursor.execute(compiled.sql, args)
+                return (await cursor.fetchall() if fetch else ()), int(cursor.rowcount)
+
+        return await self._on_pool(run)
+
+    async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
+        return (await self._execute(statement, params, fetch=True))[0]
+
+    async def change(self, statement: Executable, params: Mapping[str, Any]) -> int:
+        return (await self._execute(statement, params, fetch=False))[1]
 
 
 class SQLiteDriver:
@@ -301,10 +372,38 @@ class SQLiteDriver:
 
 _ATTEMPTS = 3
 _MYSQL_DEADLOCK = 1213
+#: Deadlock victim, and the codes of a connection that is gone (as SQLAlchemy reads them).
+_MYSQL_RERUN = frozenset({_MYSQL_DEADLOCK, 1927, 2006, 2013, 2014, 2045, 2055, 4031})
+READ_COMMITTED = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 
 
-def _mysql_error_code(exc: DBAPIError) -> object:
-    args = getattr(exc.orig, "args", ())
+async def _with_reruns(
+    run: Callable[[], Awaitable[T]], may_rerun: Callable[[Exception], bool]
+) -> T:
+    """``run()``, run again (up to three times in all) when it fails as ``may_rerun`` allows.
+
+    Every statement of the store is safe to run twice; this covers a pooled connection that
+    died unnoticed (an outage, a server restart) and a deadlock's victim, which InnoDB rolls
+    back whole.
+    """
+    attempts = 1
+    while True:
+        try:
+            return await run()
+        except Exception as exc:
+            if attempts >= _ATTEMPTS or not may_rerun(exc):
+                raise
+            attempts += 1
+
+
+def _deadlock(exc: Exception) -> bool:
+    return isinstance(exc, DBAPIError) and _mysql_error_code(exc) == _MYSQL_DEADLOCK
+
+
+def _mysql_error_code(exc: Exception) -> object:
+    """The MySQL error code of a driver error, or of the one SQLAlchemy wrapped."""
+    error = exc.orig if isinstance(exc, DBAPIError) else exc
+    args = getattr(error, "args", ())
     return args[0] if args else None
 
 

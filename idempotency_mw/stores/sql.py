@@ -39,7 +39,14 @@ from idempotency_mw.records import (
     pack_headers,
     unpack_headers,
 )
-from idempotency_mw.stores.drivers import AsyncpgDriver, Driver, SQLAlchemyDriver, SQLiteDriver
+from idempotency_mw.stores.drivers import (
+    READ_COMMITTED,
+    AsyncmyDriver,
+    AsyncpgDriver,
+    Driver,
+    SQLAlchemyDriver,
+    SQLiteDriver,
+)
 from idempotency_mw.stores.schema import TABLE_NAME, records
 
 T = TypeVar("T")
@@ -276,21 +283,21 @@ def _driver_for(database: str | URL | AsyncEngine) -> Driver:
         return SQLiteDriver(url)
     if backend == "postgresql" and driver == "asyncpg":
         return AsyncpgDriver(url)
+    if backend in ("mysql", "mariadb") and driver == "asyncmy":
+        return AsyncmyDriver(url)
     if backend == "sqlite":
         # An in-memory SQLite database exists once per connection: keep one connection.
         return SQLAlchemyDriver(create_async_engine(url, poolclass=StaticPool), owned=True)
     # READ COMMITTED spares MariaDB/MySQL the gap locks that make concurrent purges deadlock.
-    options: dict[str, Any] = {}
+    # Pre-ping: a connection pooled before an outage is replaced, not handed out dead.
+    options: dict[str, Any] = {"pool_pre_ping": True}
     if backend in ("mysql", "mariadb"):
-        options["connect_args"] = {"init_command": _READ_COMMITTED}
+        options["connect_args"] = {"init_command": READ_COMMITTED}
     return SQLAlchemyDriver(
         create_async_engine(url, isolation_level="AUTOCOMMIT", **options),
         owned=True,
         in_autocommit=True,
     )
-
-
-_READ_COMMITTED = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 
 
 _DIGEST = "sha256:"
