@@ -142,6 +142,8 @@ def post(port: int, key: str | None, timeout: float = 5.0, body: bytes = BODY) -
         request.add_header("Idempotency-Key", key)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
+            # The whole answer: the status line arrives before the record is complete.
+            response.read()
             status: int = response.status
             return status
     except urllib.error.HTTPError as exc:
