@@ -12,9 +12,12 @@ from sqlalchemy import (
     Connection,
     and_,
     bindparam,
+    cast,
     delete,
+    exists,
     func,
     inspect,
+    null,
     or_,
     select,
     tuple_,
@@ -188,7 +191,7 @@ class SQLStore:
             TimeoutError,
         )
         dialect = self._driver.dialect_name
-        self._take = _TAKES[dialect]
+        self._claim_step = _CLAIM_STEPS[dialect]
         self._purge = _PURGES[dialect]
 
     async def claim(
@@ -204,14 +207,14 @@ class SQLStore:
         }
         # A record the read finds live decides the outcome without a write (a replay is one
         # statement). Otherwise the atomic upsert decides; if another request won it in between,
-        # the next read sees that request's record.
+        # the next attempt reads that request's record.
         for _ in range(3):
-            rows = await self._call(self._driver.fetch(_READ, params))
-            existing = _outcome_of(rows[0] if rows else None, fingerprint)
+            live, taken = await self._call(self._claim_step(self._driver, params))
+            if taken:
+                return Claim(ClaimOutcome.ACQUIRED, token=token)
+            existing = _outcome_of(live, fingerprint)
             if existing is not None:
                 return existing
-            if await self._call(self._take(self._driver, params)):
-                return Claim(ClaimOutcome.ACQUIRED, token=token)
         raise StoreError(f"the record of a key kept changing while it was claimed ({TABLE_NAME})")
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
@@ -370,23 +373,72 @@ _PURGES: dict[str, Purge] = {
 }
 
 
+Row = Sequence[Any]
+#: Whether the request took the key (the upsert's winner).
 Take = Callable[[Driver, dict[str, Any]], Awaitable[bool]]
+#: One attempt at a claim: the row of ``_READ`` of a live record found (else None), and
+#: whether the request took the key.
+ClaimStep = Callable[[Driver, dict[str, Any]], Awaitable[tuple[Row | None, bool]]]
 
 
-def _take_returning(dialect: Any) -> Take:
-    """INSERT ... ON CONFLICT DO UPDATE ... WHERE ... RETURNING: one atomic statement."""
-    insert = dialect.insert(records).values(_NEW_RECORD)
-    statement = insert.on_conflict_do_update(
+def _upsert_returning(dialect: Any, rows: Any = None) -> Any:
+    """INSERT (the new record, or ``rows``) ON CONFLICT DO UPDATE ... WHERE ... RETURNING."""
+    insert = dialect.insert(records)
+    insert = insert.values(_NEW_RECORD) if rows is None else insert.from_select(_NEW_RECORD, rows)
+    return insert.on_conflict_do_update(
         index_elements=[records.c.scope, records.c.key],
         set_={name: insert.excluded[name] for name in _NEW_RECORD if name not in _KEY},
         where=_CAN_TAKE_OVER,
     ).returning(records.c.token)
+
+
+def _take_returning(dialect: Any) -> Take:
+    """The upsert alone: one atomic statement."""
+    statement = _upsert_returning(dialect)
 
     async def take(driver: Driver, params: dict[str, Any]) -> bool:
         rows = await driver.fetch(statement, params)
         return bool(rows) and rows[0][0] == params["p_token"]
 
     return take
+
+
+def _read_then(take: Take) -> ClaimStep:
+    """Read; only when no live record turns up, ``take``."""
+
+    async def step(driver: Driver, params: dict[str, Any]) -> tuple[Row | None, bool]:
+        rows = await driver.fetch(_READ, params)
+        if rows and not rows[0][-1]:  # live: its outcome needs no write
+            return rows[0], False
+        return None, await take(driver, params)
+
+    return step
+
+
+def _read_or_take_in_one_statement() -> ClaimStep:
+    """PostgreSQL: the read and, when it finds no live record, the upsert, in one statement.
+
+    Both parts see one snapshot; the upsert's WHERE still decides on the latest committed row,
+    so of concurrent requests that all found the key free exactly one takes it.
+    """
+    existing = _READ.cte("existing")
+    new_record = select(
+        *(
+            cast(null() if value is None else value, records.c[name].type).label(name)
+            for name, value in _NEW_RECORD.items()
+        )
+    ).where(~exists(select(existing.c.free).where(~existing.c.free)))
+    taken = _upsert_returning(postgresql, new_record).cte("taken")
+    statement = select(
+        *(select(column).scalar_subquery() for column in existing.c),
+        select(taken.c.token).scalar_subquery(),
+    )
+
+    async def step(driver: Driver, params: dict[str, Any]) -> tuple[Row | None, bool]:
+        *read, token = (await driver.fetch(statement, params))[0]
+        return (read if read[0] is not None else None), token == params["p_token"]
+
+    return step
 
 
 def _take_on_duplicate_key() -> Take:
@@ -416,10 +468,10 @@ def _take_on_duplicate_key() -> Take:
 
 
 _KEY = ("scope", "key")
-_TAKE_ON_DUPLICATE_KEY = _take_on_duplicate_key()
-_TAKES: dict[str, Take] = {
-    "sqlite": _take_returning(sqlite),
-    "postgresql": _take_returning(postgresql),
-    "mysql": _TAKE_ON_DUPLICATE_KEY,
-    "mariadb": _TAKE_ON_DUPLICATE_KEY,
+_READ_THEN_TAKE_ON_DUPLICATE_KEY = _read_then(_take_on_duplicate_key())
+_CLAIM_STEPS: dict[str, ClaimStep] = {
+    "sqlite": _read_then(_take_returning(sqlite)),
+    "postgresql": _read_or_take_in_one_statement(),
+    "mysql": _READ_THEN_TAKE_ON_DUPLICATE_KEY,
+    "mariadb": _READ_THEN_TAKE_ON_DUPLICATE_KEY,
 }
