@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import socket
+import sqlite3
 import subprocess
 import time
 from collections import Counter
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import redis.asyncio
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -402,7 +404,32 @@ def machine_info() -> dict[str, str]:
         "platform": platform.platform(),
         "git": git or "(no commit)",
         **{package: version_of(package) for package in packages},
+        **asyncio.run(server_versions()),
     }
+
+
+async def server_versions() -> dict[str, str]:
+    """The version of each database server the benchmarks use (and of the SQLite library)."""
+    versions = {"SQLite library": sqlite3.sqlite_version}
+    for name, url in (("PostgreSQL server", POSTGRESQL_URL), ("MariaDB server", MARIADB_URL)):
+        engine = create_async_engine(async_url(url))
+        try:
+            await ensure_database(url)
+            async with engine.connect() as conn:
+                found = str(await conn.scalar(text("SELECT version()")))
+            versions[name] = found.split(" on ")[0].split(",")[0]
+        except Exception as exc:
+            versions[name] = f"unreachable ({type(exc).__name__})"
+        finally:
+            await engine.dispose()
+    client = redis.asyncio.Redis.from_url(REDIS_URL)
+    try:
+        versions["Redis server"] = str((await client.info("server"))["redis_version"])
+    except Exception as exc:
+        versions["Redis server"] = f"unreachable ({type(exc).__name__})"
+    finally:
+        await client.aclose()
+    return versions
 
 
 def now_us() -> float:

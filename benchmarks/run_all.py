@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.apps import LABELS
 from benchmarks.common import BENCH_DIR, fmt, loadavg, machine_info, markdown_table, wait_for_quiet
 
 #: Added µs over bare FastAPI, in process, that the project set as targets (first, replay).
@@ -26,6 +27,14 @@ TARGETS = {
     "ours-sqlite": (350, 60),
     "ours-postgresql": (800, 170),
 }
+#: Slowdown under uvicorn against bare FastAPI (bare req/s over ours), the targets.
+NETWORK_TARGETS = {
+    "ours-redis": (1.9, 1.15),
+    "ours-sqlite": (2.5, 1.5),
+    "ours-postgresql": (3.5, 2.0),
+}
+README_START = "<!-- benchmark results: written by python -m benchmarks.run_all -->"
+README_END = "<!-- end of benchmark results -->"
 
 STEPS: dict[str, tuple[str, list[str]]] = {
     "inprocess": ("In process: µs per request", ["-n", "2000", "--warmup", "300"]),
@@ -35,8 +44,8 @@ STEPS: dict[str, tuple[str, list[str]]] = {
         ["--full", "-n", "300"],
     ),
     "network": (
-        "Under uvicorn, loaded by wrk (32 connections, 1 thread)",
-        ["--duration", "1", "--workers", "1,2"],
+        "Under uvicorn, loaded by wrk (16 connections, 1 thread)",
+        ["--duration", "3", "--connections", "16", "--workers", "1,2"],
     ),
     "profiling": (
         "Profile: where the time goes",
@@ -51,6 +60,111 @@ def library_digest() -> str:
     for path in sorted((BENCH_DIR.parent / "idempotency_mw").rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
+
+
+def _split_label(variant: str) -> list[str]:
+    layer, _, store = LABELS[variant].partition(", ")
+    return [layer, store]
+
+
+def _answers(statuses: dict[str, int]) -> str:
+    return ", ".join(f"{status}x{count}" for status, count in sorted(statuses.items()))
+
+
+def readme_summary(
+    info: dict[str, str],
+    seconds: float,
+    inprocess: list[dict[str, Any]],
+    network: list[dict[str, Any]],
+) -> str:
+    """The README's results: the machine, then in-process and uvicorn figures of every layer."""
+    bare_us = [run["bare"]["p50"] for run in inprocess if run.get("bare")]
+    lines = [
+        f"Measured on {info['date']} by `python -m benchmarks.run_all` ({seconds:.0f} s; every "
+        "table, with correctness bursts, scale and profiles, is in "
+        "[benchmarks/RESULTS.md](benchmarks/RESULTS.md)), at commit "
+        f"{info['git']}, on {info['nproc']} cores of an {info['cpu']} with Python "
+        f"{info['python']}, starlette {info['starlette']}, fastapi {info['fastapi']}, "
+        f"SQLAlchemy {info['sqlalchemy']}, asyncpg {info['asyncpg']}, asyncmy "
+        f"{info['asyncmy']}, redis-py {info['redis']} with hiredis {info['hiredis']}, uvicorn "
+        f"{info['uvicorn']} (no uvloop, no httptools); {info['PostgreSQL server']}, MariaDB "
+        f"{info['MariaDB server']}, Redis {info['Redis server']} and SQLite "
+        f"{info['SQLite library']}, all on the same machine (127.0.0.1).",
+        "",
+        f"In process (the ASGI app called directly, {inprocess[0]['summary']['n']:,} "
+        f"sequential requests per row; bare FastAPI takes {min(bare_us, default=0):.0f} µs per "
+        "request): µs added per request over bare FastAPI, p50 / p99.",
+        "",
+    ]
+    rows = []
+    for first, replay in zip(inprocess[::2], inprocess[1::2], strict=True):
+        target = TARGETS.get(first["variant"])
+        rows.append(
+            [
+                *_split_label(first["variant"]),
+                f"{fmt(first['added_p50'])} / {fmt(first['added_p99'])}",
+                f"{fmt(replay['added_p50'])} / {fmt(replay['added_p99'])}",
+                f"{target[0]} / {target[1]}" if target else "-",
+                _answers(replay["statuses"]),
+            ]
+        )
+    lines += [
+        markdown_table(
+            ["layer", "store", "first request", "replay", "target", "replay answers"], rows
+        ),
+        "",
+    ]
+    one_worker = [row for row in network if row["workers"] == 1 and row["variant"] != "bare"]
+    if one_worker:
+        bare_rps = [row["bare_rps"] for row in one_worker if row.get("bare_rps")]
+        lines += [
+            f"Under uvicorn (1 worker; wrk in another process, {_option('--connections')} "
+            f"connections, {_option('--duration')} s per run, a fresh key per request or one "
+            "key replayed; bare FastAPI, measured between the "
+            f"variants, serves {min(bare_rps, default=0):,.0f}-{max(bare_rps, default=0):,.0f} "
+            "requests/s): requests/s, and the slowdown against bare FastAPI.",
+            "",
+        ]
+        rows = []
+        for first, replay in zip(one_worker[::2], one_worker[1::2], strict=True):
+            slowdowns = NETWORK_TARGETS.get(first["variant"])
+            rows.append(
+                [
+                    *_split_label(first["variant"]),
+                    _slowdown(first),
+                    _slowdown(replay),
+                    f"{slowdowns[0]}x / {slowdowns[1]}x" if slowdowns else "-",
+                    _answers(replay["statuses"] or {}),
+                ]
+            )
+        lines.append(
+            markdown_table(
+                ["layer", "store", "first request", "replay", "target", "replay answers"], rows
+            )
+        )
+    return "\n".join(lines)
+
+
+def _option(name: str) -> str:
+    """The value the network step is given for ``name``."""
+    arguments = STEPS["network"][1]
+    return arguments[arguments.index(name) + 1]
+
+
+def _slowdown(row: dict[str, Any]) -> str:
+    if not row.get("rps") or not row.get("ratio"):
+        return row.get("error") or "-"
+    return f"{row['rps']:,.0f}/s, {1 / row['ratio']:.2f}x"
+
+
+def update_readme(path: Path, summary: str) -> bool:
+    """Put ``summary`` between the README's markers; whether they were found."""
+    text = path.read_text()
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        return False
+    path.write_text(f"{text[: start + len(README_START)]}\n{summary}\n{text[end:]}")
+    return True
 
 
 def targets_table(inprocess: list[dict[str, Any]]) -> str:
@@ -94,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="", help=f"comma-separated steps of {list(STEPS)}")
     parser.add_argument("--output", default=str(BENCH_DIR / "RESULTS.md"))
     parser.add_argument(
+        "--readme",
+        default=str(BENCH_DIR.parent / "README.md"),
+        help="update the results between this file's markers ('' to leave it alone)",
+    )
+    parser.add_argument(
         "--wait-quiet",
         type=float,
         default=0.0,
@@ -108,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[str] = []
     load_notes: list[str] = []
     inprocess: list[dict[str, Any]] = []
+    network: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="idem-bench-all-") as name:
         for step, (title, extra) in STEPS.items():
             if step in skip:
@@ -142,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if step == "inprocess" and json_path.exists():
                 inprocess = json.loads(json_path.read_text())
+            if step == "network" and json_path.exists():
+                network = json.loads(json_path.read_text())
     header = [
         "# idempotency-mw benchmarks",
         "",
@@ -165,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
     Path(args.output).write_text("\n".join(header) + "\n" + "\n\n".join(sections))
     print(f"wrote {args.output}", file=sys.stderr)
+    if args.readme and inprocess and "inprocess" not in skip:
+        summary = readme_summary(info, time.monotonic() - started, inprocess, network)
+        if update_readme(Path(args.readme), summary):
+            print(f"updated the results in {args.readme}", file=sys.stderr)
     return 0
 
 
