@@ -4,11 +4,12 @@ For 1 and 2 uvicorn workers, the bare app runs all along on one port and each va
 on another; runs alternate bare, variant (fresh keys), variant (one primed key), bare, next
 variant..., so drift hits all alike. A variant's ratio is against the mean of the bare runs on
 either side of it. wrk's Lua script gives every request its own Idempotency-Key (or the fixed,
-primed one for the replay run). Everything is bounded by ``--duration``.
+primed one for the replay run) and stops each run after ``--requests`` answers; ``--duration``
+bounds a run that is slower than that.
 
-    python -m benchmarks.network [--duration 5] [--connections 32] [--workers 1,2]
+    python -m benchmarks.network [--requests 10000] [--connections 16] [--workers 1,2]
 
-Needs ``wrk`` (Debian: ``apt-get install wrk``).
+Needs ``wrk``; installs Debian's package when it is missing.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ local counter = 0
 local threads = {}
 local prefix = "k"
 local fixed = nil
+local limit = nil
+local answered = 0
 
 function setup(thread)
   table.insert(threads, thread)
@@ -50,6 +53,7 @@ end
 function init(args)
   prefix = (args[1] or "k") .. "-" .. tostring(tid or 0) .. "-"
   if args[2] and args[2] ~= "" then fixed = args[2] end
+  if args[3] and args[3] ~= "" then limit = tonumber(args[3]) end
   wrk.method = "POST"
   wrk.path = "/tickets"
   wrk.body = '{"title": "printer on fire", "priority": 2}'
@@ -65,6 +69,13 @@ end
 statuses = {}
 function response(status, headers, body)
   statuses[status] = (statuses[status] or 0) + 1
+  answered = answered + 1
+  if limit and answered == limit then
+    -- The runner interrupts wrk once every thread said so (wrk itself waits out -d).
+    io.write("BENCHLIMIT\n")
+    io.flush()
+    wrk.thread:stop()
+  end
 end
 
 function done(summary, latency, requests)
@@ -234,8 +245,15 @@ def install_wrk() -> bool:
 
 
 def run_wrk(
-    port: int, script: Path, duration: float, connections: int, threads: int, fixed_key: str = ""
+    port: int,
+    script: Path,
+    requests: int,
+    duration: float,
+    connections: int,
+    threads: int,
+    fixed_key: str = "",
 ) -> WrkResult:
+    """``requests`` answers (each thread stops at its share), or ``duration`` seconds at most."""
     command = [
         "wrk",
         f"-t{threads}",
@@ -249,12 +267,23 @@ def run_wrk(
         "--",
         f"r{uuid.uuid4().hex[:10]}",
         fixed_key,
+        str(-(-requests // threads)),
     ]
-    completed = subprocess.run(
-        command, capture_output=True, text=True, timeout=duration + 60, check=False
-    )
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    lines: list[str] = []
+    stopped = 0
+    for line in process.stdout:
+        lines.append(line)
+        stopped += line.startswith("BENCHLIMIT")
+        if stopped == threads:
+            # Every thread has its answers: SIGINT makes wrk report now, with its real runtime.
+            process.send_signal(signal.SIGINT)
+            break
+    rest, stderr = process.communicate(timeout=duration + 60)
+    output = "".join(lines) + rest
     statuses: dict[int, int] = {}
-    for line in completed.stdout.splitlines():
+    for line in output.splitlines():
         if line.startswith("BENCHSTATUS "):
             statuses = {int(k): v for k, v in json.loads(line.split(" ", 1)[1]).items()}
         if line.startswith("BENCHJSON "):
@@ -270,7 +299,7 @@ def run_wrk(
                 p99=data["p99"],
                 mean=data["mean"],
             )
-    raise RuntimeError(f"wrk failed: {completed.stderr.strip() or completed.stdout[-400:]}")
+    raise RuntimeError(f"wrk failed: {stderr.strip() or output[-400:]}")
 
 
 def measure(args: argparse.Namespace) -> list[Row]:
@@ -282,12 +311,20 @@ def measure(args: argparse.Namespace) -> list[Row]:
         script = sqlite_dir / "keys.lua"
         script.write_text(WRK_SCRIPT)
 
-        def wrk(port: int, fixed: str = "") -> WrkResult:
-            return run_wrk(port, script, args.duration, args.connections, args.threads, fixed)
+        def wrk(port: int, fixed: str = "", requests: int = args.requests) -> WrkResult:
+            return run_wrk(
+                port, script, requests, args.duration, args.connections, args.threads, fixed
+            )
+
+        def warm_up(port: int) -> None:
+            """Untimed fresh-key requests on a new server: first connections, caches, imports."""
+            if args.warmup:
+                wrk(port, requests=args.warmup)
 
         for workers in args.workers:
             with uvicorn_server("bare", workers, sqlite_dir) as bare_port:
                 print(f"… {workers} worker(s): bare", file=sys.stderr, flush=True)
+                warm_up(bare_port)
                 previous_bare = wrk(bare_port)
                 rows.append(Row(workers, "bare", "any", previous_bare, [previous_bare]))
                 for variant in variants:
@@ -301,6 +338,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
                     try:
                         asyncio.run(prepare(variant, sqlite_dir))
                         with uvicorn_server(variant, workers, sqlite_dir) as port:
+                            warm_up(port)
                             first.result = wrk(port)
                             key = f"replay-{uuid.uuid4().hex[:12]}"
                             primed = post(port, key)
@@ -361,7 +399,13 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
+    parser.add_argument("--requests", type=int, default=10_000, help="answers per wrk run")
+    parser.add_argument(
+        "--warmup", type=int, default=1_000, help="untimed answers on each new server first"
+    )
+    parser.add_argument(
+        "--duration", type=float, default=60.0, help="seconds a wrk run may take at most"
+    )
     parser.add_argument("--connections", type=int, default=32, help="wrk connections")
     parser.add_argument("--threads", type=int, default=1, help="wrk threads")
     parser.add_argument(
