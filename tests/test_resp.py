@@ -14,7 +14,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from idempotency_mw.exceptions import StoreError
-from idempotency_mw.stores.redis import RedisStore
+from idempotency_mw.stores.redis import RedisStore, _plain_address
 from idempotency_mw.stores.resp import Address, PipelinedConnection, pack
 from tests.conftest import REDIS_URL, require_server
 
@@ -204,3 +204,17 @@ async def test_a_refused_connection_is_a_store_error() -> None:
     with pytest.raises(StoreError, match="could not connect"):
         await store.claim("s", "k", "fp", ttl=60, lease=30)
     await store.aclose()
+
+
+@pytest.mark.parametrize(
+    ("url", "address"),
+    [
+        ("redis://h/3", Address(host="h", db=3)),
+        ("redis://u:p@h:7000/1", Address(host="h", port=7000, db=1, username="u", password="p")),
+        ("unix:///run/redis.sock?db=2", Address(path="/run/redis.sock", db=2)),
+        ("rediss://h:6380/0", None),  # TLS: redis-py
+        ("redis://h/0?protocol=3", None),  # any option: redis-py
+    ],
+)
+def test_only_plain_urls_get_the_pipelined_connection(url: str, address: Address | None) -> None:
+    assert _plain_address(url) == address

@@ -7,6 +7,7 @@ straight to the driver: asyncpg for PostgreSQL, and the standard library's sqlit
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import sqlite3
@@ -126,7 +127,7 @@ class SQLAlchemyDriver:
             await self._engine.dispose()
 
 
-class _PooledDriver:
+class _PooledDriver(abc.ABC):
     """A driver's own connection pool, opened on first use; statements compiled once.
 
     Subclasses open and close the pool and run the compiled SQL on it. Anything that needs a
@@ -143,15 +144,15 @@ class _PooledDriver:
         self._opening = asyncio.Lock()
         self._engine: AsyncEngine | None = None
 
-    async def _open_pool(self) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _open_pool(self) -> Any: ...
 
-    async def _close_pool(self, pool: Any) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _close_pool(self, pool: Any) -> None: ...
 
+    @abc.abstractmethod
     def _may_rerun(self, exc: Exception) -> bool:
         """Whether a statement that failed with ``exc`` had no effect and may run again."""
-        raise NotImplementedError
 
     async def _on_pool(self, run: Callable[[Any], Awaitable[T]]) -> T:
         """``run(pool)``, run again when it fails in a way ``_may_rerun`` allows."""
@@ -231,13 +232,9 @@ class AsyncmyDriver(_PooledDriver):
     async def _open_pool(self) -> Any:
         import asyncmy
 
-        return await asyncmy.create_pool(
-            minsize=1,
-            maxsize=10,
-            autocommit=True,
-            init_command=READ_COMMITTED,
-            **self._connect_args,
-        )
+        # The URL's own options (charset, ssl, an init_command of its own...) come last.
+        options = {"init_command": READ_COMMITTED, **self._connect_args}
+        return await asyncmy.create_pool(minsize=1, maxsize=10, autocommit=True, **options)
 
     async def _close_pool(self, pool: Any) -> None:
         pool.close()

@@ -312,9 +312,10 @@ class RedisStore:
 def _plain_address(url: str) -> Address | None:
     """Where a URL with no options beyond host, port, database and login points, else None."""
     options: dict[str, Any] = dict(parse_url(url))
-    if options.pop("connection_class", UnixDomainSocketConnection) is not (
-        UnixDomainSocketConnection
-    ) or not set(options) <= {"host", "port", "path", "db", "username", "password"}:
+    # redis:// names no connection class; unix:// names the Unix one; rediss:// the TLS one.
+    connection_class = options.pop("connection_class", None)
+    plain = connection_class in (None, UnixDomainSocketConnection)
+    if not plain or not set(options) <= {"host", "port", "path", "db", "username", "password"}:
         return None
     return Address(**options)
 
