@@ -375,7 +375,7 @@ _SQLITE_UPSERT = "ON CONFLICT (key) DO UPDATE SET " + ", ".join(
 
 
 class _ClosedOnExit(abc.ABC):
-    """``with journal:`` closes the journal at the end of the block."""
+    """``with thing:`` closes it at the end of the block."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -1068,7 +1068,7 @@ class IdempotentClient:
             steps.close()
 
 
-class SyncIdempotentClient:
+class SyncIdempotentClient(_ClosedOnExit):
     """The blocking twin of :class:`IdempotentClient`, with the same behaviour and options."""
 
     def __init__(
@@ -1135,17 +1135,6 @@ class SyncIdempotentClient:
             self._http.close()
         if self._core.owns_journal:
             self._core.journal.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _perform(self, steps: _Steps[T]) -> T:
         reply: _Reply = None
