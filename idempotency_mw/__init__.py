@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from idempotency_mw.exceptions import ConfigurationError, IdempotencyError, SchemaError, StoreError
-from idempotency_mw.middleware import IdempotencyMiddleware
+from idempotency_mw.lifespan import store_lifespan
+from idempotency_mw.middleware import IdempotencyMiddleware, install
 from idempotency_mw.policy import RouteOptions, idempotent
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.stores.base import Store
@@ -24,4 +25,6 @@ __all__ = [
     "StoreError",
     "StoredResponse",
     "idempotent",
+    "install",
+    "store_lifespan",
 ]

@@ -6,33 +6,55 @@ import asyncio
 import hashlib
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from contextlib import AsyncExitStack
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Literal
 
 import anyio
 from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from idempotency_mw.cleanup import PurgeSchedule, background_purge
-from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError
+from idempotency_mw._asgi import (
+    MAX_KEY_LENGTH,
+    REPLAYED_HEADER,
+    ReplayReceive,
+    ResponseRecorder,
+    parse_key,
+    send_replay,
+)
+from idempotency_mw.cleanup import PurgeSchedule
+from idempotency_mw.exceptions import ConfigurationError, StoreError
 from idempotency_mw.fingerprint import request_fingerprint
-from idempotency_mw.openapi import document_key_header
-from idempotency_mw.policy import Duration, RouteOptions, RouteTable, Settings, to_seconds
+from idempotency_mw.lifespan import run_lifespan, store_lifespan
+from idempotency_mw.openapi import document_openapi
+from idempotency_mw.policy import (
+    Duration,
+    RouteOptions,
+    RouteTable,
+    Settings,
+    app_routes,
+    to_seconds,
+)
 from idempotency_mw.problems import Problem, send_problem
-from idempotency_mw.records import ClaimOutcome, StoredResponse
+from idempotency_mw.records import ClaimOutcome
 from idempotency_mw.stores.base import Store
 
 logger = logging.getLogger("idempotency_mw")
 
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-#: Response headers left out of a record: credentials, challenges and hop-by-hop headers.
+#: Headers left out of a record: credentials a handler may echo, challenges, hop-by-hop headers.
 DEFAULT_UNRECORDED_HEADERS = frozenset(
     {
         "set-cookie",
         "www-authenticate",
         "proxy-authenticate",
+        "authorization",
+        "proxy-authorization",
+        "cookie",
         "connection",
         "keep-alive",
         "proxy-connection",
@@ -42,10 +64,48 @@ DEFAULT_UNRECORDED_HEADERS = frozenset(
         "upgrade",
     }
 )
-REPLAYED_HEADER = (b"idempotent-replayed", b"true")
-MAX_KEY_LENGTH = 255
+#: Never recorded whatever the lists say: a replay sets this header itself, once.
+_ALWAYS_UNRECORDED = frozenset({REPLAYED_HEADER[0].decode()})
 
 CallerScope = Callable[[HTTPConnection], str | Awaitable[str]]
+LeaseLostAction = Literal["cancel", "continue"]
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The middleware's settings, validated and precomputed once."""
+
+    store: Store
+    defaults: Settings
+    methods: frozenset[str]
+    header_name: str
+    routes: RouteTable
+    caller_scope: CallerScope | None
+    fingerprint_headers: tuple[str, ...]
+    max_request_bytes: int
+    max_response_bytes: int
+    max_header_bytes: int
+    store_server_errors: bool
+    mismatch_status: int
+    fail_open: bool
+    retry_after: int
+    records_header: Callable[[bytes], bool]
+    on_lease_lost: LeaseLostAction
+    purge: PurgeSchedule | None
+    lifespan: bool
+
+    def problem_answers(self) -> dict[int, str]:
+        """The statuses of the problem answers the middleware may give, described."""
+        answers = {
+            400: "Idempotency-Key missing where required, or invalid",
+            409: "Key in use by a request still running, reused with a different request, "
+            "or its response cannot be replayed",
+            413: "Request body too large to fingerprint",
+            503: "Idempotency store unavailable, or the key could no longer be held",
+        }
+        if self.mismatch_status == 422:
+            answers[422] = "Key reused with a different request"
+        return answers
 
 
 class IdempotencyMiddleware:
@@ -55,8 +115,10 @@ class IdempotencyMiddleware:
     and the same request gets the recorded response replayed; a repeat with a different request
     gets 409 (or 422); a repeat while the first still runs gets 409 with ``Retry-After``.
     Settings given here are defaults; ``@idempotent`` and the ``routes`` mapping override them
-    per route. During the app's lifespan, expired records are purged on the ``purge`` schedule
-    (``None`` turns that off, e.g. when a cron job runs ``idempotency-mw purge``).
+    per route. During the app's lifespan the store is checked, expired records are purged on the
+    ``purge`` schedule (``None`` turns that off, e.g. when a cron job runs ``idempotency-mw
+    purge``) and the store is closed at shutdown; ``lifespan=False`` leaves all of that to
+    :func:`~idempotency_mw.lifespan.store_lifespan` in the app's own lifespan.
     """
 
     def __init__(
@@ -74,62 +136,91 @@ class IdempotencyMiddleware:
         fingerprint_headers: Iterable[str] = (),
         max_request_bytes: int = 1 << 20,
         max_response_bytes: int = 1 << 20,
+        max_header_bytes: int = 1 << 16,
         store_server_errors: bool = False,
         mismatch_status: int = 409,
         fail_open: bool = False,
         retry_after: int = 1,
         replay_headers_allow: Iterable[str] | None = None,
         replay_headers_deny: Iterable[str] = DEFAULT_UNRECORDED_HEADERS,
+        on_lease_lost: LeaseLostAction = "cancel",
         purge: PurgeSchedule | None = PurgeSchedule(),  # noqa: B008  (frozen, so shareable)
+        lifespan: bool = True,
     ) -> None:
         if not isinstance(store, Store):
             raise ConfigurationError(f"store must implement the Store protocol, got {store!r}")
         if mismatch_status not in (409, 422):
             raise ConfigurationError("mismatch_status must be 409 or 422")
-        if max_request_bytes < 0 or max_response_bytes < 0 or retry_after < 0:
+        if min(max_request_bytes, max_response_bytes, max_header_bytes, retry_after) < 0:
             raise ConfigurationError("size limits and retry_after must not be negative")
-        self.app = app
-        self.store = store
-        self._defaults = Settings(
-            ttl=to_seconds(ttl, "ttl"), required=required, lease=to_seconds(lease, "lease")
-        )
-        self._methods = frozenset(method.upper() for method in methods)
-        self._header_name = header_name
-        self._routes = RouteTable(routes)
-        self._caller_scope = scope
-        self._fingerprint_headers = tuple(sorted({name.lower() for name in fingerprint_headers}))
-        self._max_request_bytes = max_request_bytes
-        self._max_response_bytes = max_response_bytes
-        self._store_server_errors = store_server_errors
-        self._mismatch_status = mismatch_status
-        self._fail_open = fail_open
-        self._retry_after = retry_after
-        self._purge = purge
-        self._lifespan_resources = AsyncExitStack()
+        if on_lease_lost not in ("cancel", "continue"):
+            raise ConfigurationError("on_lease_lost must be 'cancel' or 'continue'")
         allow = None if replay_headers_allow is None else {h.lower() for h in replay_headers_allow}
-        deny = {h.lower() for h in replay_headers_deny}
-        self._records_header: Callable[[bytes], bool] = (
-            (lambda name: name.decode("latin-1") not in deny)
-            if allow is None
-            else (lambda name: name.decode("latin-1") in allow - deny)
+        deny = {h.lower() for h in replay_headers_deny} | _ALWAYS_UNRECORDED
+        self.app = app
+        self.options = Options(
+            store=store,
+            defaults=Settings(
+                ttl=to_seconds(ttl, "ttl"), required=required, lease=to_seconds(lease, "lease")
+            ),
+            methods=frozenset(method.upper() for method in methods),
+            header_name=header_name,
+            routes=RouteTable(routes),
+            caller_scope=scope,
+            fingerprint_headers=tuple(sorted({name.lower() for name in fingerprint_headers})),
+            max_request_bytes=max_request_bytes,
+            max_response_bytes=max_response_bytes,
+            max_header_bytes=max_header_bytes,
+            store_server_errors=store_server_errors,
+            mismatch_status=mismatch_status,
+            fail_open=fail_open,
+            retry_after=retry_after,
+            records_header=(
+                (lambda name: name.decode("latin-1") not in deny)
+                if allow is None
+                else (lambda name: name.decode("latin-1") in allow - deny)
+            ),
+            on_lease_lost=on_lease_lost,
+            purge=purge,
+            lifespan=lifespan,
         )
+        self._documented: set[int] = set()
+
+    @property
+    def store(self) -> Store:
+        """The store the middleware claims keys in."""
+        return self.options.store
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self.app(scope, receive, self._lifespan_send(scope, send))
+            await run_lifespan(self.app, scope, receive, send, lambda: self._lifespan(scope))
             return
-        if scope["type"] != "http" or scope["method"] not in self._methods:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-
+        app = scope.get("app", self.app)
+        if id(app) not in self._documented:
+            # Without a lifespan (a TestClient used without `with`), the first request does it.
+            self._document(app)
+        if scope["method"] not in self.options.methods:
+            await self.app(scope, receive, send)
+            return
+        options = self.options
+        resolved = options.routes.resolve(app, scope)
+        if resolved is None:
+            # The app answers 404 or 405: nothing runs, so there is nothing to guard or record.
+            await self.app(scope, receive, send)
+            return
+        settings = options.defaults.merge(resolved.policy)
         headers = Headers(scope=scope)
-        raw_keys = headers.getlist(self._header_name)
-        template, policy = self._routes.resolve(scope)
-        settings = self._defaults.merge(policy)
+        raw_keys = headers.getlist(options.header_name)
         if not raw_keys:
             if settings.required:
                 await send_problem(
-                    send, Problem.MISSING_KEY, 400, f"This operation requires {self._header_name}."
+                    send,
+                    Problem.MISSING_KEY,
+                    400,
+                    f"This operation requires {options.header_name}.",
                 )
             else:
                 await self.app(scope, receive, send)
@@ -137,60 +228,44 @@ class IdempotencyMiddleware:
         key = parse_key(raw_keys[0]) if len(raw_keys) == 1 else None
         if key is None:
             detail = (
-                f"Send one {self._header_name} header"
+                f"Send one {options.header_name} header"
                 if len(raw_keys) > 1
-                else f"{self._header_name} must be 1-{MAX_KEY_LENGTH} visible ASCII characters"
+                else f"{options.header_name} must be 1-{MAX_KEY_LENGTH} visible ASCII characters"
             )
             await send_problem(send, Problem.INVALID_KEY, 400, detail + ".")
             return
-        await _Exchange(self, scope, receive, send, headers, key, template, settings).run()
+        exchange = _Exchange(self.app, options, scope, receive, send, headers, key)
+        await exchange.run(resolved.template, settings)
 
-    async def caller_scope(self, scope: Scope) -> str:
-        """The namespace of this request's keys, from the ``scope`` option ('' without one)."""
-        if self._caller_scope is None:
-            return ""
-        value = self._caller_scope(HTTPConnection(scope))
-        return await value if inspect.isawaitable(value) else value
+    def _document(self, app: object) -> None:
+        self._documented.add(id(app))
+        document_openapi(app, self.options)
 
-    def fingerprint(self, scope: Scope, headers: Headers, template: str, body: bytes) -> str:
-        """The request's hash: method, route template, path, query, chosen headers, body."""
-        return request_fingerprint(
-            scope["method"],
-            template,
-            scope["path"],
-            scope.get("query_string", b""),
-            [
-                (name, value)
-                for name in self._fingerprint_headers
-                for value in headers.getlist(name)
-            ],
-            body,
-        )
+    @asynccontextmanager
+    async def _lifespan(self, scope: Scope) -> AsyncIterator[None]:
+        app = scope.get("app", self.app)
+        self._document(app)
+        unmatched = self.options.routes.unmatched_entries(app_routes(app))
+        if unmatched:
+            logger.warning("routes= entries that match no route of the app: %s", unmatched)
+        if not self.options.lifespan:
+            yield
+            return
+        async with store_lifespan(self.options.store, purge=self.options.purge):
+            yield
 
-    def _lifespan_send(self, scope: Scope, send: Send) -> Send:
-        async def checked_send(message: Message) -> None:
-            if message["type"] == "lifespan.startup.complete":
-                # Raising here makes the app report the startup as failed, with our message.
-                try:
-                    await self.store.startup()
-                except StoreError as exc:
-                    if isinstance(exc, SchemaError) or not self._fail_open:
-                        logger.error("idempotency store not ready: %s", exc)
-                        raise
-                    logger.warning("idempotency store unreachable at startup: %s", exc)
-                document_key_header(
-                    scope.get("app"), self._header_name, self._methods, self._defaults, self._routes
-                )
-                if self._purge is not None:
-                    await self._lifespan_resources.enter_async_context(
-                        background_purge(self.store, self._purge)
-                    )
-            elif message["type"] == "lifespan.shutdown.complete":
-                await self._lifespan_resources.aclose()
-                await self.store.aclose()
-            await send(message)
 
-        return checked_send
+def install(app: Any, *, store: Store, **options: Any) -> None:
+    """Add :class:`IdempotencyMiddleware` to a Starlette/FastAPI ``app`` and document it now.
+
+    The same as ``app.add_middleware(IdempotencyMiddleware, store=store, **options)``, except
+    that the OpenAPI schema shows the key header and the problem answers at once, before the
+    first request or the lifespan (a schema-export script, a ``TestClient`` used without
+    ``with``).
+    """
+    middleware = IdempotencyMiddleware(app, store=store, **options)  # validates the options
+    document_openapi(app, middleware.options)
+    app.add_middleware(IdempotencyMiddleware, store=store, **options)
 
 
 class _Exchange:
@@ -198,23 +273,22 @@ class _Exchange:
 
     def __init__(
         self,
-        middleware: IdempotencyMiddleware,
+        app: ASGIApp,
+        options: Options,
         scope: Scope,
         receive: Receive,
         send: Send,
         headers: Headers,
         key: str,
-        template: str,
-        settings: Settings,
     ) -> None:
-        self.mw = middleware
+        self.app = app
+        self.options = options
+        self.store = options.store
         self.scope = scope
         self.receive = receive
         self.send = send
         self.headers = headers
         self.key = key
-        self.template = template
-        self.settings = settings
         self.caller = ""
 
     @property
@@ -222,73 +296,92 @@ class _Exchange:
         """A short hash of scope and key, for logs: raw keys are never logged."""
         return hashlib.sha256(f"{self.caller}\0{self.key}".encode()).hexdigest()[:12]
 
-    async def run(self) -> None:
-        mw = self.mw
+    async def run(self, template: str, settings: Settings) -> None:
+        options = self.options
         declared = self.headers.get("content-length", "")
         # ASCII digits only, and few enough of them for int(): the server may not have checked.
         if (
             declared.isascii()
             and declared.isdigit()
-            and (len(declared) > 18 or int(declared) > mw._max_request_bytes)
+            and (len(declared) > 18 or int(declared) > options.max_request_bytes)
         ):
             await self._too_large()
             return
         body = await self._read_body()
         if body is None:
             return
-        self.caller = await mw.caller_scope(self.scope)
-        fingerprint = mw.fingerprint(self.scope, self.headers, self.template, body)
+        self.caller = await self._caller_scope()
+        fingerprint = request_fingerprint(
+            self.scope["method"],
+            template,
+            self.scope["path"],
+            self.scope.get("query_string", b""),
+            [
+                (name, value)
+                for name in options.fingerprint_headers
+                for value in self.headers.getlist(name)
+            ],
+            body,
+        )
+        claimed_at = time.monotonic()
         try:
-            claim = await mw.store.claim(
-                self.caller,
-                self.key,
-                fingerprint,
-                ttl=self.settings.ttl,
-                lease=self.settings.lease,
+            claim = await self.store.claim(
+                self.caller, self.key, fingerprint, ttl=settings.ttl, lease=settings.lease
             )
         except StoreError as exc:
             logger.warning("idempotency store failed to claim key %s: %s", self.key_id, exc)
-            if mw._fail_open:
-                await mw.app(self.scope, _ReplayReceive(body, self.receive), self.send)
+            if options.fail_open:
+                await self.app(self.scope, ReplayReceive(body, self.receive), self.send)
             else:
-                await send_problem(
-                    self.send,
+                await self._problem(
                     Problem.STORE_UNAVAILABLE,
                     503,
                     "The idempotency store is unavailable; retry with the same key.",
-                    retry_after=mw._retry_after,
+                    retry=True,
                 )
             return
 
         match claim.outcome:
             case ClaimOutcome.ACQUIRED:
                 assert claim.token is not None
-                await self._execute(body, claim.token)
+                lease = _Lease(self, claim.token, settings.lease, claimed_at)
+                await self._execute(body, lease, settings)
             case ClaimOutcome.REPLAY:
                 assert claim.response is not None
-                await _replay(self.send, claim.response)
+                await send_replay(self.send, claim.response)
             case ClaimOutcome.IN_PROGRESS:
-                await send_problem(
-                    self.send,
+                await self._problem(
                     Problem.IN_PROGRESS,
                     409,
                     "A request with this key is still being processed; retry later.",
-                    retry_after=mw._retry_after,
+                    retry=True,
                 )
             case ClaimOutcome.MISMATCH:
-                await send_problem(
-                    self.send,
+                await self._problem(
                     Problem.MISMATCH,
-                    mw._mismatch_status,
+                    options.mismatch_status,
                     "This key was used with a different request; use a new key for a new request.",
                 )
             case ClaimOutcome.UNREPLAYABLE:
-                await send_problem(
-                    self.send,
+                await self._problem(
                     Problem.UNREPLAYABLE,
                     409,
-                    "This key's request ran, but its response was too large to record.",
+                    "This key's request ran, but its response could not be recorded for replay.",
                 )
+
+    async def _caller_scope(self) -> str:
+        """The namespace of this request's keys, from the ``scope`` option ('' without one)."""
+        caller_scope = self.options.caller_scope
+        if caller_scope is None:
+            return ""
+        value = caller_scope(HTTPConnection(self.scope))
+        return await value if inspect.isawaitable(value) else value
+
+    async def _problem(
+        self, problem: Problem, status: int, detail: str, *, retry: bool = False
+    ) -> None:
+        retry_after = self.options.retry_after if retry else None
+        await send_problem(self.send, problem, status, detail, retry_after=retry_after)
 
     async def _read_body(self) -> bytes | None:
         """The whole request body, or ``None`` when the client left (or was answered 413)."""
@@ -300,7 +393,7 @@ class _Exchange:
                 return None
             chunk: bytes = message.get("body", b"")
             size += len(chunk)
-            if size > self.mw._max_request_bytes:
+            if size > self.options.max_request_bytes:
                 await self._too_large()
                 return None
             chunks.append(chunk)
@@ -308,55 +401,68 @@ class _Exchange:
                 return b"".join(chunks)
 
     async def _too_large(self) -> None:
-        await send_problem(
-            self.send,
+        await self._problem(
             Problem.TOO_LARGE,
             413,
-            f"Request bodies are limited to {self.mw._max_request_bytes} bytes.",
+            f"Request bodies are limited to {self.options.max_request_bytes} bytes.",
         )
 
-    async def _execute(self, body: bytes, token: str) -> None:
+    async def _execute(self, body: bytes, lease: _Lease, settings: Settings) -> None:
         settled = False
 
-        async def settle(recorder: _ResponseRecorder) -> None:
+        async def settle(recorder: ResponseRecorder) -> None:
             nonlocal settled
             if not settled:
                 settled = True
                 with anyio.CancelScope(shield=True):
-                    await self._settle(token, recorder)
+                    await self._settle(lease.token, recorder, settings)
 
-        recorder = _ResponseRecorder(
-            self.send, self.mw._max_response_bytes, self.mw._records_header, settle
+        recorder = ResponseRecorder(
+            self.send,
+            max_body=self.options.max_response_bytes,
+            max_headers=self.options.max_header_bytes,
+            records_header=self.options.records_header,
+            on_finish=settle,
         )
-        # Most requests end within a third of the lease: only the others start renewing it.
-        loop = asyncio.get_running_loop()
-        keeper: list[asyncio.Task[None]] = []
-        timer = loop.call_later(
-            self.settings.lease / 3,
-            lambda: keeper.append(loop.create_task(self._keep_lease(token))),
-        )
-        try:
-            await self.mw.app(self.scope, _ReplayReceive(body, self.receive), recorder.send)
-        finally:
-            timer.cancel()
-            for task in keeper:
-                task.cancel()
-            # Settled already when the response ended; otherwise the app failed or stopped.
-            await settle(recorder)
+        with anyio.CancelScope() as handler:
+            lease.watch(handler, recorder)
+            try:
+                await self.app(self.scope, ReplayReceive(body, self.receive), recorder.send)
+            finally:
+                lease.stop()
+                # Settled already when the response ended; otherwise the app failed or stopped.
+                if not lease.lost:
+                    await settle(recorder)
+        if handler.cancelled_caught and lease.lost and recorder.status is None:
+            await self._problem(
+                Problem.LEASE_LOST,
+                503,
+                "The request was stopped because the idempotency store could not confirm it "
+                "still held this key; retry with the same key.",
+                retry=True,
+            )
 
-    async def _settle(self, token: str, recorder: _ResponseRecorder) -> None:
-        """Record the response, or release the key when there is none worth replaying."""
+    async def _settle(self, token: str, recorder: ResponseRecorder, settings: Settings) -> None:
+        """Record the response; release the key only when no response below 500 began.
+
+        Once a response below 500 has begun, the request's effect may have happened: the key
+        is never run again. A complete response is recorded; one cut short, sent as a file or
+        too large is recorded as not replayable.
+        """
         status = recorder.status
-        if (
-            status is None
-            or not recorder.finished
-            or (status >= 500 and not self.mw._store_server_errors)
-        ):
+        if status is None or (status >= 500 and not self.options.store_server_errors):
             await self._release(token)
             return
+        response = recorder.stored_response()
+        if response is None:
+            logger.warning(
+                "the response of key %s cannot be replayed: %s",
+                self.key_id,
+                recorder.unreplayable_reason or "it was cut short",
+            )
         try:
-            owned = await self.mw.store.complete(
-                self.caller, self.key, token, recorder.stored_response(), ttl=self.settings.ttl
+            owned = await self.store.complete(
+                self.caller, self.key, token, response, ttl=settings.ttl
             )
         except StoreError as exc:
             # The client still gets its answer; the claim stays in progress until its lease
@@ -368,139 +474,94 @@ class _Exchange:
 
     async def _release(self, token: str) -> None:
         try:
-            await self.mw.store.release(self.caller, self.key, token)
+            await self.store.release(self.caller, self.key, token)
         except StoreError as exc:
             logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)
 
-    async def _keep_lease(self, token: str) -> None:
-        lease = self.settings.lease
+
+class _Lease:
+    """Keeps a claim's lease while the handler runs, and knows until when it is proven.
+
+    The lease is proven until the moment the last successful claim or renewal was *sent* plus
+    the lease, on this worker's monotonic clock. Renewals begin after a third of the lease and
+    retry quickly when the store fails, so a store pause shorter than a third of the lease
+    costs nothing. When the proof runs out, the request is no longer protected: it is
+    cancelled (``on_lease_lost="cancel"``, unless its response has begun) or goes on, logged.
+    """
+
+    def __init__(self, exchange: _Exchange, token: str, lease: float, claimed_at: float) -> None:
+        self.token = token
+        self.lost = False
+        self._exchange = exchange
+        self._lease = lease
+        self._proven_until = claimed_at + lease
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, handler: anyio.CancelScope, recorder: ResponseRecorder) -> None:
+        """Start keeping the lease after a third of it (most requests end sooner)."""
+        loop = asyncio.get_running_loop()
+
+        def start() -> None:
+            self._task = loop.create_task(self._keep(handler, recorder))
+
+        self._timer = loop.call_later(self._lease / 3, start)
+
+    def stop(self) -> None:
+        """Stop renewing: the handler ended."""
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _keep(self, handler: anyio.CancelScope, recorder: ResponseRecorder) -> None:
+        renewal = asyncio.ensure_future(self._renew())
+        try:
+            # Wake when the proof runs out or the key is taken over, whichever comes first.
+            while not renewal.done():
+                remaining = self._proven_until - time.monotonic()
+                if remaining <= 0:
+                    break
+                await asyncio.wait({renewal}, timeout=remaining)
+            self._on_lost(handler, recorder)
+            if not self.lost and not renewal.done():
+                # Going on unprotected: protection resumes if a renewal succeeds again.
+                await renewal
+        finally:
+            renewal.cancel()
+
+    async def _renew(self) -> None:
+        """Renew every third of the lease, quickly again after a failure; end when taken over."""
+        exchange = self._exchange
         while True:
+            sent_at = time.monotonic()
             try:
-                owned = await self.mw.store.renew(self.caller, self.key, token, lease=lease)
+                owned = await exchange.store.renew(
+                    exchange.caller, exchange.key, self.token, lease=self._lease
+                )
             except StoreError as exc:
-                logger.warning("could not renew the lease of key %s: %s", self.key_id, exc)
-                owned = True
+                logger.warning("could not renew the lease of key %s: %s", exchange.key_id, exc)
+                await asyncio.sleep(max(0.05, self._lease / 20))
+                continue
             if not owned:
-                logger.warning("lost the lease of key %s to another request", self.key_id)
+                logger.warning("lost the lease of key %s to another request", exchange.key_id)
                 return
-            await asyncio.sleep(lease / 3)
+            self._proven_until = sent_at + self._lease
+            await asyncio.sleep(self._lease / 3)
 
-
-def parse_key(raw: str) -> str | None:
-    """The key from a header value, or ``None`` if it is not a valid key.
-
-    A bare key is 1-255 visible ASCII characters; a value that opens with a double quote must
-    be a Structured-Field string (``"abc"``, with ``\\"`` and ``\\\\`` escapes) and is unquoted.
-    """
-    if raw.startswith('"'):
-        key = _unquote_sf_string(raw[1:-1]) if len(raw) >= 2 and raw.endswith('"') else None
-    else:
-        # Printable ASCII without the space: "!" to "~".
-        key = raw if raw.isascii() and raw.isprintable() and " " not in raw else None
-    if key is None or not 1 <= len(key) <= MAX_KEY_LENGTH:
-        return None
-    return key
-
-
-def _unquote_sf_string(quoted: str) -> str | None:
-    chars: list[str] = []
-    escaped = False
-    for char in quoted:
-        if not " " <= char <= "~":
-            return None
-        if escaped:
-            if char not in '"\\':
-                return None
-            chars.append(char)
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif char == '"':
-            return None
-        else:
-            chars.append(char)
-    return None if escaped else "".join(chars)
-
-
-class _ReplayReceive:
-    """Gives the app the body already read, then hands over to the server's ``receive``."""
-
-    def __init__(self, body: bytes, receive: Receive) -> None:
-        self._body: bytes | None = body
-        self._receive = receive
-
-    async def __call__(self) -> Message:
-        if self._body is None:
-            return await self._receive()
-        body, self._body = self._body, None
-        return {"type": "http.request", "body": body, "more_body": False}
-
-
-class _ResponseRecorder:
-    """Passes the response through unchanged while keeping a copy up to ``limit`` bytes.
-
-    ``on_finish`` runs when the last body chunk arrives, before that chunk is passed on.
-    """
-
-    def __init__(
-        self,
-        send: Send,
-        limit: int,
-        records_header: Callable[[bytes], bool],
-        on_finish: Callable[[_ResponseRecorder], Awaitable[None]],
-    ) -> None:
-        self._send = send
-        self._on_finish = on_finish
-        self._limit = limit
-        self._records_header = records_header
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self.status: int | None = None
-        self.headers: tuple[tuple[bytes, bytes], ...] = ()
-        self.replayable = True
-        self.finished = False
-
-    async def send(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            self.status = int(message["status"])
-            self.headers = tuple(
-                (bytes(name), bytes(value))
-                for name, value in message.get("headers", ())
-                if self._records_header(bytes(name).lower())
+    def _on_lost(self, handler: anyio.CancelScope, recorder: ResponseRecorder) -> None:
+        exchange = self._exchange
+        if exchange.options.on_lease_lost == "cancel" and recorder.status is None:
+            self.lost = True
+            logger.error(
+                "key %s: the store did not confirm the lease in time; the request is stopped "
+                "and its key left to lapse",
+                exchange.key_id,
             )
-        elif kind == "http.response.body":
-            chunk: bytes = message.get("body", b"")
-            if self.replayable:
-                self._size += len(chunk)
-                if self._size <= self._limit:
-                    self._chunks.append(chunk)
-                else:
-                    self.replayable = False
-                    self._chunks.clear()
-            self.finished = not message.get("more_body", False)
-            if self.finished:
-                # Recorded before the client sees the end: a retry sent after the answer
-                # arrived is replayed, never told the request is still in progress.
-                await self._on_finish(self)
+            handler.cancel()
         else:
-            # A file sent by path, trailers and the like are not recorded.
-            self.replayable = False
-        await self._send(message)
-
-    def stored_response(self) -> StoredResponse | None:
-        """The response as it will be replayed, or ``None`` when it cannot be."""
-        if not self.replayable or self.status is None:
-            return None
-        return StoredResponse(self.status, self.headers, b"".join(self._chunks))
-
-
-async def _replay(send: Send, response: StoredResponse) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": response.status,
-            "headers": [*response.headers, REPLAYED_HEADER],
-        }
-    )
-    await send({"type": "http.response.body", "body": response.body})
+            logger.error(
+                "key %s: the store did not confirm the lease in time; the request goes on "
+                "unprotected (a retry may run it again once the lease lapses)",
+                exchange.key_id,
+            )

@@ -1,22 +1,31 @@
-"""Documents the idempotency key header in a FastAPI application's OpenAPI schema."""
+"""Documents idempotency in a FastAPI application's OpenAPI schema.
+
+Every operation the middleware guards gets the key header (required where a key is required),
+the problem answers the middleware may give instead of the app's, and the ``Idempotent-Replayed``
+header of replayed responses.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from idempotency_mw.policy import RouteTable, Settings
+from idempotency_mw.policy import app_routes
+from idempotency_mw.problems import Problem
+
+if TYPE_CHECKING:
+    from idempotency_mw.middleware import Options
 
 _MARK = "__idempotency_documented__"
+_PROBLEM_SCHEMA = "IdempotencyProblem"
+_PROBLEM_REF = {"$ref": f"#/components/schemas/{_PROBLEM_SCHEMA}"}
 
 
-def document_key_header(
-    app: object, header_name: str, methods: frozenset[str], defaults: Settings, table: RouteTable
-) -> None:
-    """Wrap ``app.openapi`` so every operation the middleware guards lists the key header.
+def document_openapi(app: object, options: Options) -> None:
+    """Wrap ``app.openapi`` (once) so the schema documents what the middleware does.
 
-    The header is required where the effective settings require a key. Applications without
-    an ``openapi`` method (plain Starlette) are left alone.
+    Routes added later are documented too: the wrapper reads the routes when the schema is made.
+    Applications without an ``openapi`` method (plain Starlette) are left alone.
     """
     generate: Callable[[], dict[str, Any]] | None = getattr(app, "openapi", None)
     if generate is None or getattr(generate, _MARK, False):
@@ -24,37 +33,78 @@ def document_key_header(
 
     def openapi() -> dict[str, Any]:
         schema = generate()
-        paths: dict[str, Any] = schema.get("paths", {})
-        for route in getattr(app, "routes", ()):
-            operations = paths.get(getattr(route, "path_format", ""), {})
-            for method in sorted(methods & set(getattr(route, "methods", None) or ())):
-                operation = operations.get(method.lower())
-                if operation is None:
-                    continue
-                settings = defaults.merge(table.policy_for(route.path, route.endpoint))
-                _add_header(operation, header_name, required=settings.required)
+        _document(schema, app, options)
         return schema
 
     setattr(openapi, _MARK, True)
     setattr(app, "openapi", openapi)  # noqa: B010  (FastAPI's documented extension point)
 
 
-def _add_header(operation: dict[str, Any], header_name: str, *, required: bool) -> None:
+def _document(schema: dict[str, Any], app: object, options: Options) -> None:
+    paths: dict[str, Any] = schema.get("paths", {})
+    guarded = False
+    for route in app_routes(app):
+        operations = paths.get(route.template, {})
+        for method in sorted(options.methods & (route.methods or options.methods)):
+            operation = operations.get(method.lower())
+            if operation is None:
+                continue
+            policy = options.routes.policy_for(method, route.template, route.endpoint)
+            _document_operation(
+                operation, options, required=options.defaults.merge(policy).required
+            )
+            guarded = True
+    if guarded:
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        schemas.setdefault(_PROBLEM_SCHEMA, _problem_schema())
+
+
+def _document_operation(operation: dict[str, Any], options: Options, *, required: bool) -> None:
     parameters: list[dict[str, Any]] = operation.setdefault("parameters", [])
-    if any(
-        p.get("in") == "header" and str(p.get("name", "")).lower() == header_name.lower()
+    name = options.header_name
+    if not any(
+        p.get("in") == "header" and str(p.get("name", "")).lower() == name.lower()
         for p in parameters
     ):
-        return
-    parameters.append(
-        {
-            "name": header_name,
-            "in": "header",
-            "required": required,
-            "description": (
-                "Unique key of this operation, reused on every retry: a repeat gets the "
-                "recorded response instead of running the operation again."
-            ),
-            "schema": {"type": "string", "minLength": 1, "maxLength": 255},
-        }
-    )
+        parameters.append(
+            {
+                "name": name,
+                "in": "header",
+                "required": required,
+                "description": (
+                    "Unique key of this operation, reused on every retry: a repeat gets the "
+                    "recorded response instead of running the operation again."
+                ),
+                "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+            }
+        )
+    responses: dict[str, Any] = operation.setdefault("responses", {})
+    for code, answer in sorted(options.problem_answers().items()):
+        response = responses.setdefault(str(code), {"description": answer})
+        response.setdefault("content", {}).setdefault(
+            "application/problem+json", {"schema": _PROBLEM_REF}
+        )
+    for status, response in responses.items():
+        if status.startswith("2"):
+            response.setdefault("headers", {}).setdefault(
+                "Idempotent-Replayed",
+                {
+                    "description": "`true` when this is the recorded response of an earlier "
+                    "request with the same key, replayed.",
+                    "schema": {"type": "string", "enum": ["true"]},
+                },
+            )
+
+
+def _problem_schema() -> dict[str, Any]:
+    return {
+        "title": "Idempotency problem (RFC 9457)",
+        "type": "object",
+        "required": ["type", "title", "status", "detail"],
+        "properties": {
+            "type": {"type": "string", "enum": sorted(p.type_uri for p in Problem)},
+            "title": {"type": "string"},
+            "status": {"type": "integer"},
+            "detail": {"type": "string"},
+        },
+    }

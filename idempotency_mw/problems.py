@@ -20,6 +20,7 @@ class Problem(enum.Enum):
     UNREPLAYABLE = ("not-replayable", "Response for this Idempotency-Key cannot be replayed")
     TOO_LARGE = ("request-too-large", "Request body too large")
     STORE_UNAVAILABLE = ("store-unavailable", "Idempotency store unavailable")
+    LEASE_LOST = ("lease-lost", "Request stopped: its Idempotency-Key could no longer be held")
 
     @property
     def type_uri(self) -> str:

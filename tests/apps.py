@@ -104,7 +104,78 @@ def make_app(store: Store, **options: Any) -> FastAPI:
     return app
 
 
+def http_scope(
+    path: str, headers: list[tuple[bytes, bytes]], extensions: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The scope of a POST to ``path`` as an HTTP/1.1 server makes it."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"testserver"), *headers],
+        "server": ("testserver", 80),
+        "client": ("127.0.0.1", 1234),
+        "extensions": extensions or {},
+    }
+
+
 def client_for(app: FastAPI) -> httpx.AsyncClient:
     """An httpx client that calls the app in process."""
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     return httpx.AsyncClient(transport=transport, base_url="http://testserver")
+
+
+class PausableStore:
+    """A real store behind a switch: while paused, every call waits, as on a stopped server.
+
+    It also counts ``aclose`` calls, so tests can see that the store was closed.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.inner = store
+        self.closed = 0
+        self._running = anyio.Event()
+        self._running.set()
+
+    def pause(self) -> None:
+        self._running = anyio.Event()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    async def _wait(self) -> None:
+        await self._running.wait()
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        await self._wait()
+        return await self.inner.claim(*args, **kwargs)
+
+    async def renew(self, *args: Any, **kwargs: Any) -> Any:
+        await self._wait()
+        return await self.inner.renew(*args, **kwargs)
+
+    async def complete(self, *args: Any, **kwargs: Any) -> Any:
+        await self._wait()
+        return await self.inner.complete(*args, **kwargs)
+
+    async def release(self, *args: Any, **kwargs: Any) -> Any:
+        await self._wait()
+        return await self.inner.release(*args, **kwargs)
+
+    async def purge_expired(self, *, batch_size: int) -> int | None:
+        await self._wait()
+        return await self.inner.purge_expired(batch_size=batch_size)
+
+    async def startup(self) -> None:
+        await self._wait()
+        await self.inner.startup()
+
+    async def aclose(self) -> None:
+        self.closed += 1
+        await self.inner.aclose()

@@ -15,9 +15,9 @@ import pytest
 from asgi_lifespan import LifespanManager
 
 from idempotency_mw import ConfigurationError, IdempotencyMiddleware, SchemaError, SQLStore, Store
+from idempotency_mw._asgi import parse_key
 from idempotency_mw.fingerprint import request_fingerprint
-from idempotency_mw.middleware import parse_key
-from tests.apps import client_for, make_app
+from tests.apps import client_for, http_scope, make_app
 
 pytestmark = pytest.mark.anyio
 
@@ -563,20 +563,9 @@ def test_invalid_options_are_configuration_errors(tmp_path: Any) -> None:
 async def test_a_retry_sent_as_the_answer_arrives_is_replayed(store: Store) -> None:
     app = make_app(store)
     request = {"type": "http.request", "body": b"{}", "more_body": False}
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/tickets",
-        "raw_path": b"/tickets",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"idempotency-key", b"k")],
-        "server": ("testserver", 80),
-        "client": ("127.0.0.1", 1234),
-    }
+    scope = http_scope(
+        "/tickets", [(b"content-type", b"application/json"), (b"idempotency-key", b"k")]
+    )
     retry: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:

@@ -1,0 +1,86 @@
+"""The lease is proven on the worker's own clock: a stalled store stops the request in time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from fastapi import FastAPI
+
+from idempotency_mw import IdempotencyMiddleware
+from tests.apps import PausableStore, client_for
+from tests.conftest import fresh_sql_store
+
+pytestmark = pytest.mark.anyio
+
+
+async def stalled_service(tmp_path: Path, **options: Any) -> tuple[FastAPI, PausableStore]:
+    store = PausableStore(await fresh_sql_store(f"sqlite:///{tmp_path / 'i.db'}"))
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store, **options)
+    effects: Counter[str] = Counter()
+    app.state.effects = effects
+
+    @app.post("/work")
+    async def work(seconds: float) -> dict[str, str]:
+        effects["started"] += 1
+        await anyio.sleep(seconds)
+        effects["done"] += 1
+        return {"done": "yes"}
+
+    return app, store
+
+
+async def pause_after(store: PausableStore, delay: float, length: float) -> None:
+    await anyio.sleep(delay)
+    store.pause()
+    await anyio.sleep(length)
+    store.resume()
+
+
+async def test_a_lease_not_proven_in_time_stops_the_request(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, store = await stalled_service(tmp_path, lease=0.6, retry_after=2)
+    async with client_for(app) as client, anyio.create_task_group() as group:
+        group.start_soon(pause_after, store, 0.1, 1.5)
+        started = time.monotonic()
+        answer = await client.post("/work?seconds=2", headers={"Idempotency-Key": "k"})
+        elapsed = time.monotonic() - started
+    assert answer.status_code == 503
+    assert answer.json()["type"].endswith("lease-lost")
+    assert answer.headers["retry-after"] == "2"
+    assert app.state.effects == Counter(started=1)
+    # Stopped when the proof ran out (0.6 s after the claim), not when the store came back.
+    assert elapsed < 1.2
+    assert "did not confirm the lease in time" in caplog.text
+
+
+async def test_continue_lets_the_request_finish_unprotected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, store = await stalled_service(tmp_path, lease=0.6, on_lease_lost="continue")
+    with caplog.at_level(logging.ERROR, "idempotency_mw"):
+        async with client_for(app) as client, anyio.create_task_group() as group:
+            group.start_soon(pause_after, store, 0.1, 1.0)
+            answer = await client.post("/work?seconds=1.5", headers={"Idempotency-Key": "k"})
+    assert answer.status_code == 200
+    assert app.state.effects == Counter(started=1, done=1)
+    assert "goes on unprotected" in caplog.text
+
+
+async def test_a_pause_shorter_than_a_third_of_the_lease_costs_nothing(tmp_path: Path) -> None:
+    app, store = await stalled_service(tmp_path, lease=1.5)
+    async with client_for(app) as client, anyio.create_task_group() as group:
+        # Renewals are due every 0.5 s: a 0.45 s pause covers one of them.
+        group.start_soon(pause_after, store, 0.45, 0.45)
+        answer = await client.post("/work?seconds=2.2", headers={"Idempotency-Key": "k"})
+        again = await client.post("/work?seconds=2.2", headers={"Idempotency-Key": "k"})
+    assert answer.status_code == 200
+    assert again.headers["idempotent-replayed"] == "true"
+    assert app.state.effects == Counter(started=1, done=1)
