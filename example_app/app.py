@@ -6,13 +6,16 @@ Run it with ``uvicorn example_app.app:app``; ``EXAMPLE_DATABASE_URL`` picks the 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Annotated
 
-from fastapi import FastAPI, Path, Request
+from fastapi import FastAPI, Path, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -87,6 +90,14 @@ def create_app(database_url: str | None = None) -> FastAPI:
         await engine.dispose()
 
     app = FastAPI(title="Ticket service", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own answer echoes the input as UTF-8, which fails (a 500) on a lone
+        # surrogate that a JSON body's \\ud800 escape smuggled in; ASCII escapes cannot fail.
+        body = json.dumps({"detail": jsonable_encoder(exc.errors())}, ensure_ascii=True)
+        return Response(body, status_code=422, media_type="application/json")
+
     app.add_middleware(
         IdempotencyMiddleware,
         store=SQLStore(url),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 
 from starlette.types import Message, Receive, Send
@@ -94,6 +95,8 @@ class ResponseRecorder:
         self.replayable = True
         #: Why the response cannot be replayed (for the log), when it cannot.
         self.unreplayable_reason = ""
+        #: Whether it cannot be replayed for its size (over a limit).
+        self.too_large = False
         self.finished = False
 
     async def send(self, message: Message) -> None:
@@ -106,7 +109,7 @@ class ResponseRecorder:
                 if self._records_header(bytes(name).lower())
             )
             if sum(len(name) + len(value) for name, value in self.headers) > self._max_headers:
-                self._refuse("its headers exceed max_header_bytes")
+                self._refuse("its headers exceed max_header_bytes", too_large=True)
             if message.get("trailers", False):
                 self._refuse("it has trailers")
         elif kind == "http.response.body":
@@ -116,7 +119,7 @@ class ResponseRecorder:
                 if self._size <= self._max_body:
                     self._chunks.append(chunk)
                 else:
-                    self._refuse("its body exceeds max_response_bytes")
+                    self._refuse("its body exceeds max_response_bytes", too_large=True)
             await self._pass_on(message, last=not message.get("more_body", False))
             return
         elif kind == "http.response.pathsend":
@@ -136,11 +139,28 @@ class ResponseRecorder:
             await self._on_finish(self)
         await self._send(message)
 
-    def _refuse(self, reason: str) -> None:
+    def _refuse(self, reason: str, *, too_large: bool = False) -> None:
         if self.replayable:
             self.replayable = False
             self.unreplayable_reason = reason
+            self.too_large = too_large
             self._chunks.clear()
+
+    def is_request_validation_error(self) -> bool:
+        """Whether the body is FastAPI's answer to a request that failed validation (the
+        endpoint never ran): ``{"detail": [{"loc": ..., "msg": ..., "type": ...}, ...]}``."""
+        if not self.replayable:
+            return False
+        try:
+            answer = json.loads(b"".join(self._chunks))
+        except ValueError:
+            return False
+        detail = answer.get("detail") if isinstance(answer, dict) and len(answer) == 1 else None
+        return (
+            isinstance(detail, list)
+            and bool(detail)
+            and all(isinstance(e, dict) and {"loc", "msg", "type"} <= e.keys() for e in detail)
+        )
 
     def stored_response(self) -> StoredResponse | None:
         """The response as it will be replayed, or ``None`` when it cannot be."""

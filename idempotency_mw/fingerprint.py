@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 
 
@@ -31,3 +32,15 @@ def request_fingerprint(
         field(value.encode("latin-1"))
     field(body)
     return digest.hexdigest()
+
+
+def canonical_json(body: bytes) -> bytes | None:
+    """A JSON body in canonical form (sorted keys, no insignificant whitespace, numbers as
+    parsed), or ``None`` when the body is not JSON (it is then fingerprinted as bytes)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8", "surrogatepass"
+    )

@@ -11,10 +11,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -28,18 +29,22 @@ from idempotency_mw._asgi import (
 )
 from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.exceptions import ConfigurationError, StoreError
-from idempotency_mw.fingerprint import request_fingerprint
+from idempotency_mw.fingerprint import canonical_json, request_fingerprint
 from idempotency_mw.lifespan import run_lifespan, store_lifespan
+from idempotency_mw.metrics import Event, EventHook, EventKind
 from idempotency_mw.openapi import document_openapi
 from idempotency_mw.policy import (
     Duration,
+    FingerprintMode,
     RouteOptions,
     RouteTable,
     Settings,
     app_routes,
+    fingerprint_mode,
+    statuses,
     to_seconds,
 )
-from idempotency_mw.problems import Problem, send_problem
+from idempotency_mw.problems import Problem, send_http_problem, send_problem
 from idempotency_mw.records import ClaimOutcome
 from idempotency_mw.stores.base import Store
 
@@ -64,9 +69,12 @@ DEFAULT_UNRECORDED_HEADERS = frozenset(
         "upgrade",
     }
 )
+#: Answers that prove the handler did not run: the key is released, not recorded.
+DEFAULT_RELEASE_STATUSES = frozenset({401, 403, 404, 405, 406, 408, 413, 415, 422, 429})
 #: Never recorded whatever the lists say: a replay sets this header itself, once.
 _ALWAYS_UNRECORDED = frozenset({REPLAYED_HEADER[0].decode()})
 
+T = TypeVar("T")
 CallerScope = Callable[[HTTPConnection], str | Awaitable[str]]
 LeaseLostAction = Literal["cancel", "continue"]
 
@@ -93,6 +101,7 @@ class Options:
     on_lease_lost: LeaseLostAction
     purge: PurgeSchedule | None
     lifespan: bool
+    on_event: EventHook | None
 
     def problem_answers(self) -> dict[int, str]:
         """The statuses of the problem answers the middleware may give, described."""
@@ -137,6 +146,8 @@ class IdempotencyMiddleware:
         max_request_bytes: int = 1 << 20,
         max_response_bytes: int = 1 << 20,
         max_header_bytes: int = 1 << 16,
+        release_statuses: Iterable[int] = DEFAULT_RELEASE_STATUSES,
+        fingerprint: FingerprintMode = "bytes",
         store_server_errors: bool = False,
         mismatch_status: int = 409,
         fail_open: bool = False,
@@ -146,6 +157,7 @@ class IdempotencyMiddleware:
         on_lease_lost: LeaseLostAction = "cancel",
         purge: PurgeSchedule | None = PurgeSchedule(),  # noqa: B008  (frozen, so shareable)
         lifespan: bool = True,
+        on_event: EventHook | None = None,
     ) -> None:
         if not isinstance(store, Store):
             raise ConfigurationError(f"store must implement the Store protocol, got {store!r}")
@@ -161,7 +173,11 @@ class IdempotencyMiddleware:
         self.options = Options(
             store=store,
             defaults=Settings(
-                ttl=to_seconds(ttl, "ttl"), required=required, lease=to_seconds(lease, "lease")
+                ttl=to_seconds(ttl, "ttl"),
+                required=required,
+                lease=to_seconds(lease, "lease"),
+                release_statuses=statuses(release_statuses),
+                fingerprint=fingerprint_mode(fingerprint),
             ),
             methods=frozenset(method.upper() for method in methods),
             header_name=header_name,
@@ -183,6 +199,7 @@ class IdempotencyMiddleware:
             on_lease_lost=on_lease_lost,
             purge=purge,
             lifespan=lifespan,
+            on_event=on_event,
         )
         self._documented: set[int] = set()
 
@@ -234,7 +251,9 @@ class IdempotencyMiddleware:
             )
             await send_problem(send, Problem.INVALID_KEY, 400, detail + ".")
             return
-        exchange = _Exchange(self.app, options, scope, receive, send, headers, key)
+        exchange = _Exchange(
+            self.app, options, scope, receive, send, headers, key, resolved.template
+        )
         await exchange.run(resolved.template, settings)
 
     def _document(self, app: object) -> None:
@@ -280,6 +299,7 @@ class _Exchange:
         send: Send,
         headers: Headers,
         key: str,
+        template: str,
     ) -> None:
         self.app = app
         self.options = options
@@ -289,12 +309,44 @@ class _Exchange:
         self.send = send
         self.headers = headers
         self.key = key
+        self.template = template
         self.caller = ""
 
     @property
     def key_id(self) -> str:
         """A short hash of scope and key, for logs: raw keys are never logged."""
         return hashlib.sha256(f"{self.caller}\0{self.key}".encode()).hexdigest()[:12]
+
+    def emit(self, kind: EventKind, **details: Any) -> None:
+        """Report an event to the ``on_event`` hook, if there is one; a failing hook is logged."""
+        hook = self.options.on_event
+        if hook is None:
+            return
+        try:
+            hook(Event(kind, self.key_id, self.scope["method"], self.template, **details))
+        except Exception:
+            logger.exception("the on_event hook of IdempotencyMiddleware failed")
+
+    async def call_store(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
+        """A store call, timed and reported when an ``on_event`` hook is set."""
+        if self.options.on_event is None:
+            return await call()
+        started_at, started = time.time(), time.perf_counter()
+        error = None
+        try:
+            return await call()
+        except StoreError as exc:
+            error = str(exc)
+            self.emit(EventKind.STORE_ERROR, operation=operation, error=error)
+            raise
+        finally:
+            self.emit(
+                EventKind.STORE_CALL,
+                operation=operation,
+                started_at=started_at,
+                duration=time.perf_counter() - started,
+                error=error,
+            )
 
     async def run(self, template: str, settings: Settings) -> None:
         options = self.options
@@ -310,7 +362,16 @@ class _Exchange:
         body = await self._read_body()
         if body is None:
             return
-        self.caller = await self._caller_scope()
+        caller = await self._caller_scope()
+        if caller is None:
+            return
+        self.caller = caller
+        if settings.fingerprint == "json":
+            body_hashed = canonical_json(body)
+            if body_hashed is None:
+                body_hashed = body
+        else:
+            body_hashed = body
         fingerprint = request_fingerprint(
             self.scope["method"],
             template,
@@ -321,12 +382,15 @@ class _Exchange:
                 for name in options.fingerprint_headers
                 for value in self.headers.getlist(name)
             ],
-            body,
+            body_hashed,
         )
         claimed_at = time.monotonic()
         try:
-            claim = await self.store.claim(
-                self.caller, self.key, fingerprint, ttl=settings.ttl, lease=settings.lease
+            claim = await self.call_store(
+                "claim",
+                lambda: self.store.claim(
+                    self.caller, self.key, fingerprint, ttl=settings.ttl, lease=settings.lease
+                ),
             )
         except StoreError as exc:
             logger.warning("idempotency store failed to claim key %s: %s", self.key_id, exc)
@@ -341,11 +405,16 @@ class _Exchange:
                 )
             return
 
+        self.emit(_OUTCOME_EVENTS[claim.outcome])
         match claim.outcome:
             case ClaimOutcome.ACQUIRED:
                 assert claim.token is not None
                 lease = _Lease(self, claim.token, settings.lease, claimed_at)
-                await self._execute(body, lease, settings)
+                self.emit(EventKind.CLAIM_STARTED)
+                try:
+                    await self._execute(body, lease, settings)
+                finally:
+                    self.emit(EventKind.CLAIM_ENDED)
             case ClaimOutcome.REPLAY:
                 assert claim.response is not None
                 await send_replay(self.send, claim.response)
@@ -369,13 +438,43 @@ class _Exchange:
                     "This key's request ran, but its response could not be recorded for replay.",
                 )
 
-    async def _caller_scope(self) -> str:
-        """The namespace of this request's keys, from the ``scope`` option ('' without one)."""
+    async def _caller_scope(self) -> str | None:
+        """The namespace of this request's keys, from the ``scope`` option ('' without one).
+
+        ``None`` when the request was answered instead: the callable raised an HTTPException
+        (its answer, as a problem), or failed or gave no usable scope (a 500 problem, logged:
+        the handler never runs unscoped).
+        """
         caller_scope = self.options.caller_scope
         if caller_scope is None:
             return ""
-        value = caller_scope(HTTPConnection(self.scope))
-        return await value if inspect.isawaitable(value) else value
+        try:
+            value = caller_scope(HTTPConnection(self.scope))
+            if inspect.isawaitable(value):
+                value = await value
+        except HTTPException as exc:
+            await send_http_problem(self.send, exc.status_code, str(exc.detail), exc.headers)
+            return None
+        except Exception:
+            logger.exception("the scope= callable of IdempotencyMiddleware failed")
+            await self._scope_failed()
+            return None
+        if not isinstance(value, str) or not value:
+            logger.error(
+                "the scope= callable of IdempotencyMiddleware returned %s; it must return a "
+                "non-empty string (the handler did not run)",
+                "an empty string" if value == "" else f"a {type(value).__name__}",
+            )
+            await self._scope_failed()
+            return None
+        return value
+
+    async def _scope_failed(self) -> None:
+        await self._problem(
+            Problem.SCOPE_FAILED,
+            500,
+            "The server could not determine whose request this is; the request did not run.",
+        )
 
     async def _problem(
         self, problem: Problem, status: int, detail: str, *, retry: bool = False
@@ -443,26 +542,37 @@ class _Exchange:
             )
 
     async def _settle(self, token: str, recorder: ResponseRecorder, settings: Settings) -> None:
-        """Record the response; release the key only when no response below 500 began.
+        """Record the response; release the key when it proves nothing ran (or nothing began).
 
-        Once a response below 500 has begun, the request's effect may have happened: the key
-        is never run again. A complete response is recorded; one cut short, sent as a file or
-        too large is recorded as not replayable.
+        Once a response below 500 has begun that is not a refusal (``release_statuses``,
+        FastAPI's request validation), the request's effect may have happened: the key is never
+        run again. A complete response is recorded; one cut short, sent as a file or too large
+        is recorded as not replayable.
         """
         status = recorder.status
-        if status is None or (status >= 500 and not self.options.store_server_errors):
+        if (
+            status is None
+            or (status >= 500 and not self.options.store_server_errors)
+            or status in settings.release_statuses
+            or (status == 422 and recorder.is_request_validation_error())
+        ):
             await self._release(token)
             return
         response = recorder.stored_response()
         if response is None:
+            if recorder.too_large:
+                self.emit(EventKind.RECORD_TOO_LARGE)
             logger.warning(
                 "the response of key %s cannot be replayed: %s",
                 self.key_id,
                 recorder.unreplayable_reason or "it was cut short",
             )
         try:
-            owned = await self.store.complete(
-                self.caller, self.key, token, response, ttl=settings.ttl
+            owned = await self.call_store(
+                "complete",
+                lambda: self.store.complete(
+                    self.caller, self.key, token, response, ttl=settings.ttl
+                ),
             )
         except StoreError as exc:
             # The client still gets its answer; the claim stays in progress until its lease
@@ -474,9 +584,21 @@ class _Exchange:
 
     async def _release(self, token: str) -> None:
         try:
-            await self.store.release(self.caller, self.key, token)
+            await self.call_store(
+                "release", lambda: self.store.release(self.caller, self.key, token)
+            )
+            self.emit(EventKind.RELEASED)
         except StoreError as exc:
             logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)
+
+
+_OUTCOME_EVENTS = {
+    ClaimOutcome.ACQUIRED: EventKind.FIRST_RUN,
+    ClaimOutcome.REPLAY: EventKind.REPLAY,
+    ClaimOutcome.IN_PROGRESS: EventKind.IN_PROGRESS,
+    ClaimOutcome.MISMATCH: EventKind.MISMATCH,
+    ClaimOutcome.UNREPLAYABLE: EventKind.NOT_REPLAYABLE,
+}
 
 
 class _Lease:
@@ -536,8 +658,11 @@ class _Lease:
         while True:
             sent_at = time.monotonic()
             try:
-                owned = await exchange.store.renew(
-                    exchange.caller, exchange.key, self.token, lease=self._lease
+                owned = await exchange.call_store(
+                    "renew",
+                    lambda: exchange.store.renew(
+                        exchange.caller, exchange.key, self.token, lease=self._lease
+                    ),
                 )
             except StoreError as exc:
                 logger.warning("could not renew the lease of key %s: %s", exchange.key_id, exc)
@@ -551,6 +676,7 @@ class _Lease:
 
     def _on_lost(self, handler: anyio.CancelScope, recorder: ResponseRecorder) -> None:
         exchange = self._exchange
+        exchange.emit(EventKind.LEASE_LOST)
         if exchange.options.on_lease_lost == "cancel" and recorder.status is None:
             self.lost = True
             logger.error(

@@ -9,10 +9,10 @@ not ours to guard or record.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypedDict, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar
 
 from starlette.routing import Match
 from starlette.types import Scope
@@ -24,6 +24,7 @@ _POLICY_ATTRIBUTE = "__idempotency_policy__"
 _CACHE_SIZE = 2048
 
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
+T = TypeVar("T")
 Duration = float | timedelta
 
 
@@ -35,6 +36,10 @@ def to_seconds(value: Duration, name: str) -> float:
     return seconds
 
 
+#: How a request body enters the fingerprint: its bytes, or (JSON bodies) its canonical JSON.
+FingerprintMode = Literal["bytes", "json"]
+
+
 @dataclass(frozen=True, slots=True)
 class RoutePolicy:
     """Settings of one route; ``None`` means "the middleware's default"."""
@@ -42,6 +47,8 @@ class RoutePolicy:
     ttl: float | None = None
     required: bool | None = None
     lease: float | None = None
+    release_statuses: frozenset[int] | None = None
+    fingerprint: FingerprintMode | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +58,24 @@ class Settings:
     ttl: float
     required: bool
     lease: float
+    release_statuses: frozenset[int]
+    fingerprint: FingerprintMode
 
     def merge(self, policy: RoutePolicy | None) -> Settings:
         """These settings overridden by whatever ``policy`` sets."""
         if policy is None:
             return self
         return Settings(
-            ttl=self.ttl if policy.ttl is None else policy.ttl,
-            required=self.required if policy.required is None else policy.required,
-            lease=self.lease if policy.lease is None else policy.lease,
+            ttl=_either(policy.ttl, self.ttl),
+            required=_either(policy.required, self.required),
+            lease=_either(policy.lease, self.lease),
+            release_statuses=_either(policy.release_statuses, self.release_statuses),
+            fingerprint=_either(policy.fingerprint, self.fingerprint),
         )
+
+
+def _either(value: T | None, default: T) -> T:
+    return default if value is None else value
 
 
 class RouteOptions(TypedDict, total=False):
@@ -69,29 +84,62 @@ class RouteOptions(TypedDict, total=False):
     ttl: Duration
     required: bool
     lease: Duration
+    release_statuses: Iterable[int]
+    fingerprint: FingerprintMode
 
 
 def make_policy(
-    ttl: Duration | None = None, required: bool | None = None, lease: Duration | None = None
+    ttl: Duration | None = None,
+    required: bool | None = None,
+    lease: Duration | None = None,
+    release_statuses: Iterable[int] | None = None,
+    fingerprint: FingerprintMode | None = None,
 ) -> RoutePolicy:
     """A validated :class:`RoutePolicy`."""
     return RoutePolicy(
         ttl=None if ttl is None else to_seconds(ttl, "ttl"),
         required=required,
         lease=None if lease is None else to_seconds(lease, "lease"),
+        release_statuses=None if release_statuses is None else statuses(release_statuses),
+        fingerprint=None if fingerprint is None else fingerprint_mode(fingerprint),
     )
 
 
+def statuses(values: Iterable[int]) -> frozenset[int]:
+    """HTTP statuses from 400 to 499, validated: only refusals may release a key."""
+    found = frozenset(values)
+    wrong = sorted(str(v) for v in found if not (isinstance(v, int) and 400 <= v <= 499))
+    if wrong:
+        raise ConfigurationError(f"release_statuses must be 4xx statuses, got {wrong}")
+    return found
+
+
+def fingerprint_mode(value: str) -> FingerprintMode:
+    """``"bytes"`` or ``"json"``, validated."""
+    if value == "bytes":
+        return "bytes"
+    if value == "json":
+        return "json"
+    raise ConfigurationError(f"fingerprint must be 'bytes' or 'json', got {value!r}")
+
+
 def idempotent(
-    *, ttl: Duration | None = None, required: bool | None = None, lease: Duration | None = None
+    *,
+    ttl: Duration | None = None,
+    required: bool | None = None,
+    lease: Duration | None = None,
+    release_statuses: Iterable[int] | None = None,
+    fingerprint: FingerprintMode | None = None,
 ) -> Callable[[Endpoint], Endpoint]:
     """Per-route settings for the endpoint it decorates; the endpoint itself is unchanged.
 
     ``ttl``: how long a completed response is replayed (seconds or timedelta);
     ``required``: whether requests without a key are rejected with 400;
-    ``lease``: how long an in-progress claim is honoured before a retry may take it over.
+    ``lease``: how long an in-progress claim is honoured before a retry may take it over;
+    ``release_statuses``: 4xx answers that prove nothing ran, so the key is released;
+    ``fingerprint``: ``"json"`` to compare JSON bodies by content, not bytes.
     """
-    policy = make_policy(ttl, required, lease)
+    policy = make_policy(ttl, required, lease, release_statuses, fingerprint)
 
     def decorate(endpoint: Endpoint) -> Endpoint:
         setattr(endpoint, _POLICY_ATTRIBUTE, policy)

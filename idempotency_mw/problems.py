@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Mapping
+from http import HTTPStatus
 
 from starlette.types import Send
 
@@ -21,6 +23,7 @@ class Problem(enum.Enum):
     TOO_LARGE = ("request-too-large", "Request body too large")
     STORE_UNAVAILABLE = ("store-unavailable", "Idempotency store unavailable")
     LEASE_LOST = ("lease-lost", "Request stopped: its Idempotency-Key could no longer be held")
+    SCOPE_FAILED = ("scope-failed", "The caller's scope could not be determined")
 
     @property
     def type_uri(self) -> str:
@@ -37,14 +40,41 @@ async def send_problem(
     retry_after: int | None = None,
 ) -> None:
     """Send a complete problem+json response."""
+    extra = [] if retry_after is None else [(b"retry-after", str(retry_after).encode())]
+    await _send(send, problem.type_uri, problem.value[1], status, detail, extra)
+
+
+async def send_http_problem(
+    send: Send, status: int, detail: str, headers: Mapping[str, str] | None = None
+) -> None:
+    """Send an HTTP error (an ``HTTPException`` raised where the app could not answer it) as a
+    problem of type ``about:blank``, with the exception's headers."""
+    try:
+        title = HTTPStatus(status).phrase
+    except ValueError:
+        title = "Error"
+    extra = [
+        (name.lower().encode("latin-1"), value.encode("latin-1"))
+        for name, value in (headers or {}).items()
+    ]
+    await _send(send, "about:blank", title, status, detail, extra)
+
+
+async def _send(
+    send: Send,
+    type_uri: str,
+    title: str,
+    status: int,
+    detail: str,
+    extra: list[tuple[bytes, bytes]],
+) -> None:
     body = json.dumps(
-        {"type": problem.type_uri, "title": problem.value[1], "status": status, "detail": detail}
+        {"type": type_uri, "title": title, "status": status, "detail": detail}
     ).encode()
     headers = [
         (b"content-type", b"application/problem+json"),
         (b"content-length", str(len(body)).encode()),
+        *extra,
     ]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -83,7 +83,7 @@ class Effects:
 
 
 def caller_of(connection: HTTPConnection) -> str:
-    return connection.headers.get("x-caller", "")
+    return connection.headers.get("x-caller", "anonymous")
 
 
 def store_from_url(url: str, redis_prefix: str = "idem:") -> Store:

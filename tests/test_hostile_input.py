@@ -143,7 +143,7 @@ def hostile_app(store: SQLStore) -> FastAPI:
     app.add_middleware(
         IdempotencyMiddleware,
         store=store,
-        scope=lambda connection: connection.headers.get("x-caller", ""),
+        scope=lambda connection: connection.headers.get("x-caller", "anonymous"),
         max_request_bytes=LIMIT,
     )
     runs: Counter[str] = Counter()
@@ -486,6 +486,18 @@ CALLERS = st.text(
     min_size=1,
     max_size=300,
 )
+
+
+def test_a_lone_surrogate_in_a_json_body_is_a_422_not_a_500(tmp_path: Path) -> None:
+    app = create_example_app(f"sqlite:///{tmp_path / 'example.db'}")
+    headers = [caller_header(new_caller()), (KEY, b"k"), (b"content-type", b"application/json")]
+    with running(app) as portal:
+        replies = [
+            portal.call(lambda: call(app, "POST", "/tickets", headers, [b'{"title": "\\ud800"}']))
+            for _ in range(2)
+        ]
+    assert [reply.status for reply in replies] == [422, 422], replies
+    assert not replies[1].replayed  # a refusal: nothing ran, nothing recorded
 
 
 def test_one_callers_key_never_replays_to_another_caller(tmp_path: Path) -> None:

@@ -445,7 +445,7 @@ async def test_per_route_ttl_from_the_routes_mapping_and_decorator_precedence(
 
 
 async def test_callers_never_see_each_others_responses(store: Store) -> None:
-    app = make_app(store, scope=lambda connection: connection.headers.get("x-caller", ""))
+    app = make_app(store, scope=lambda connection: connection.headers.get("x-caller", "anonymous"))
     async with client_for(app) as client:
         alice = await client.post("/tickets", json={}, headers={**key("k"), "X-Caller": "alice"})
         bob = await client.post("/tickets", json={}, headers={**key("k"), "X-Caller": "bob"})
