@@ -148,6 +148,7 @@ class IdempotencyMiddleware:
         max_header_bytes: int = 1 << 16,
         release_statuses: Iterable[int] = DEFAULT_RELEASE_STATUSES,
         fingerprint: FingerprintMode = "bytes",
+        wait: Duration = 0,
         store_server_errors: bool = False,
         mismatch_status: int = 409,
         fail_open: bool = False,
@@ -178,6 +179,7 @@ class IdempotencyMiddleware:
                 lease=to_seconds(lease, "lease"),
                 release_statuses=statuses(release_statuses),
                 fingerprint=fingerprint_mode(fingerprint),
+                wait=to_seconds(wait, "wait", zero=True),
             ),
             methods=frozenset(method.upper() for method in methods),
             header_name=header_name,
@@ -202,6 +204,7 @@ class IdempotencyMiddleware:
             on_event=on_event,
         )
         self._documented: set[int] = set()
+        self._settlements = _Settlements()
 
     @property
     def store(self) -> Store:
@@ -252,7 +255,15 @@ class IdempotencyMiddleware:
             await send_problem(send, Problem.INVALID_KEY, 400, detail + ".")
             return
         exchange = _Exchange(
-            self.app, options, scope, receive, send, headers, key, resolved.template
+            self.app,
+            options,
+            scope,
+            receive,
+            send,
+            headers,
+            key,
+            resolved.template,
+            self._settlements,
         )
         await exchange.run(resolved.template, settings)
 
@@ -300,8 +311,10 @@ class _Exchange:
         headers: Headers,
         key: str,
         template: str,
+        settlements: _Settlements,
     ) -> None:
         self.app = app
+        self.settlements = settlements
         self.options = options
         self.store = options.store
         self.scope = scope
@@ -384,14 +397,26 @@ class _Exchange:
             ],
             body_hashed,
         )
-        claimed_at = time.monotonic()
+        # A duplicate that finds the key in progress waits up to settings.wait for its outcome:
+        # woken at once by a request of this worker that settles the key, else polling with
+        # backoff (holding no connection in between).
+        deadline = time.monotonic() + settings.wait
+        pause = _FIRST_POLL
         try:
-            claim = await self.call_store(
-                "claim",
-                lambda: self.store.claim(
-                    self.caller, self.key, fingerprint, ttl=settings.ttl, lease=settings.lease
-                ),
-            )
+            while True:
+                claimed_at = time.monotonic()
+                claim = await self.call_store(
+                    "claim",
+                    lambda: self.store.claim(
+                        self.caller, self.key, fingerprint, ttl=settings.ttl, lease=settings.lease
+                    ),
+                )
+                if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:
+                    break
+                await self.settlements.wait(
+                    (self.caller, self.key), min(pause, deadline - claimed_at)
+                )
+                pause = min(pause * 2, _LAST_POLL)
         except StoreError as exc:
             logger.warning("idempotency store failed to claim key %s: %s", self.key_id, exc)
             if options.fail_open:
@@ -542,6 +567,14 @@ class _Exchange:
             )
 
     async def _settle(self, token: str, recorder: ResponseRecorder, settings: Settings) -> None:
+        try:
+            await self._record_or_release(token, recorder, settings)
+        finally:
+            self.settlements.settled((self.caller, self.key))
+
+    async def _record_or_release(
+        self, token: str, recorder: ResponseRecorder, settings: Settings
+    ) -> None:
         """Record the response; release the key when it proves nothing ran (or nothing began).
 
         Once a response below 500 has begun that is not a refusal (``release_statuses``,
@@ -599,6 +632,39 @@ _OUTCOME_EVENTS = {
     ClaimOutcome.MISMATCH: EventKind.MISMATCH,
     ClaimOutcome.UNREPLAYABLE: EventKind.NOT_REPLAYABLE,
 }
+
+
+_FIRST_POLL = 0.02
+_LAST_POLL = 0.5
+
+
+class _Settlements:
+    """Requests of this worker waiting for a key that another request of this worker holds."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[str, str], tuple[asyncio.Event, int]] = {}
+
+    async def wait(self, record: tuple[str, str], seconds: float) -> None:
+        """Until ``record`` is settled here, or ``seconds`` have passed."""
+        event, waiters = self._waiting.get(record, (asyncio.Event(), 0))
+        self._waiting[record] = (event, waiters + 1)
+        try:
+            await asyncio.wait_for(event.wait(), seconds)
+        except TimeoutError:
+            pass
+        finally:
+            current = self._waiting.get(record)
+            if current is not None and current[0] is event:
+                if current[1] <= 1:
+                    del self._waiting[record]
+                else:
+                    self._waiting[record] = (event, current[1] - 1)
+
+    def settled(self, record: tuple[str, str]) -> None:
+        """Wake whoever waits for ``record``."""
+        entry = self._waiting.pop(record, None)
+        if entry is not None:
+            entry[0].set()
 
 
 class _Lease:

@@ -28,10 +28,11 @@ T = TypeVar("T")
 Duration = float | timedelta
 
 
-def to_seconds(value: Duration, name: str) -> float:
-    """Seconds from a number or a timedelta; anything not positive is a configuration error."""
+def to_seconds(value: Duration, name: str, *, zero: bool = False) -> float:
+    """Seconds from a number or a timedelta; anything not positive (or, with ``zero``, negative)
+    is a configuration error."""
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not seconds > 0:
+    if not (seconds >= 0 if zero else seconds > 0):
         raise ConfigurationError(f"{name} must be a positive duration, got {value!r}")
     return seconds
 
@@ -49,6 +50,7 @@ class RoutePolicy:
     lease: float | None = None
     release_statuses: frozenset[int] | None = None
     fingerprint: FingerprintMode | None = None
+    wait: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,7 @@ class Settings:
     lease: float
     release_statuses: frozenset[int]
     fingerprint: FingerprintMode
+    wait: float
 
     def merge(self, policy: RoutePolicy | None) -> Settings:
         """These settings overridden by whatever ``policy`` sets."""
@@ -71,6 +74,7 @@ class Settings:
             lease=_either(policy.lease, self.lease),
             release_statuses=_either(policy.release_statuses, self.release_statuses),
             fingerprint=_either(policy.fingerprint, self.fingerprint),
+            wait=_either(policy.wait, self.wait),
         )
 
 
@@ -86,6 +90,7 @@ class RouteOptions(TypedDict, total=False):
     lease: Duration
     release_statuses: Iterable[int]
     fingerprint: FingerprintMode
+    wait: Duration
 
 
 def make_policy(
@@ -94,6 +99,7 @@ def make_policy(
     lease: Duration | None = None,
     release_statuses: Iterable[int] | None = None,
     fingerprint: FingerprintMode | None = None,
+    wait: Duration | None = None,
 ) -> RoutePolicy:
     """A validated :class:`RoutePolicy`."""
     return RoutePolicy(
@@ -102,6 +108,7 @@ def make_policy(
         lease=None if lease is None else to_seconds(lease, "lease"),
         release_statuses=None if release_statuses is None else statuses(release_statuses),
         fingerprint=None if fingerprint is None else fingerprint_mode(fingerprint),
+        wait=None if wait is None else to_seconds(wait, "wait", zero=True),
     )
 
 
@@ -130,6 +137,7 @@ def idempotent(
     lease: Duration | None = None,
     release_statuses: Iterable[int] | None = None,
     fingerprint: FingerprintMode | None = None,
+    wait: Duration | None = None,
 ) -> Callable[[Endpoint], Endpoint]:
     """Per-route settings for the endpoint it decorates; the endpoint itself is unchanged.
 
@@ -137,9 +145,10 @@ def idempotent(
     ``required``: whether requests without a key are rejected with 400;
     ``lease``: how long an in-progress claim is honoured before a retry may take it over;
     ``release_statuses``: 4xx answers that prove nothing ran, so the key is released;
-    ``fingerprint``: ``"json"`` to compare JSON bodies by content, not bytes.
+    ``fingerprint``: ``"json"`` to compare JSON bodies by content, not bytes;
+    ``wait``: how long a duplicate waits for the first request's outcome before 409.
     """
-    policy = make_policy(ttl, required, lease, release_statuses, fingerprint)
+    policy = make_policy(ttl, required, lease, release_statuses, fingerprint, wait)
 
     def decorate(endpoint: Endpoint) -> Endpoint:
         setattr(endpoint, _POLICY_ATTRIBUTE, policy)

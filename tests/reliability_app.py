@@ -11,7 +11,8 @@ Under uvicorn (``uvicorn --factory tests.reliability_app:create_app``, or the mo
 - ``RELIABILITY_REDIS_PREFIX``: the Redis key prefix (default ``idem:``);
 - ``RELIABILITY_EFFECTS``: the SQLite file handlers log their runs to;
 - ``RELIABILITY_LEASE``: the lease in seconds (default 1);
-- ``RELIABILITY_DELAY``: how long ``POST /work`` sleeps before its side effect (default 0).
+- ``RELIABILITY_DELAY``: how long ``POST /work`` sleeps before its side effect (default 0);
+- ``RELIABILITY_WAIT``: how long a duplicate waits for the first request's outcome (default 0).
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def create_app(
     if effects is None:
         effects = Effects(env["RELIABILITY_EFFECTS"])
     lease = float(env.get("RELIABILITY_LEASE", "1")) if lease is None else lease
+    options.setdefault("wait", float(env.get("RELIABILITY_WAIT", "0")))
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, lease=lease, scope=caller_of, **options)
     app.state.effects = effects

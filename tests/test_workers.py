@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -32,16 +33,18 @@ async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
-@pytest.fixture
-def workers(store_url: str, tmp_path: Path) -> Iterator[list[ServerProcess]]:
+@contextmanager
+def running_workers(
+    store_url: str, tmp_path: Path, count: int, **settings: str
+) -> Iterator[list[ServerProcess]]:
     env = {
         "RELIABILITY_STORE": store_url,
         "RELIABILITY_REDIS_PREFIX": f"test-workers-{uuid.uuid4().hex}:",
         "RELIABILITY_EFFECTS": str(tmp_path / "effects.db"),
-        "RELIABILITY_DELAY": "0.1",
+        **settings,
     }
     Effects(env["RELIABILITY_EFFECTS"])
-    servers = [ServerProcess("tests.reliability_app:create_app", env) for _ in range(WORKERS)]
+    servers = [ServerProcess("tests.reliability_app:create_app", env) for _ in range(count)]
     try:
         for server in servers:
             server.wait_ready()
@@ -49,6 +52,12 @@ def workers(store_url: str, tmp_path: Path) -> Iterator[list[ServerProcess]]:
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture
+def workers(store_url: str, tmp_path: Path) -> Iterator[list[ServerProcess]]:
+    with running_workers(store_url, tmp_path, WORKERS, RELIABILITY_DELAY="0.1") as servers:
+        yield servers
 
 
 async def test_a_burst_across_worker_processes_runs_once(
@@ -84,3 +93,29 @@ async def test_a_burst_across_worker_processes_runs_once(
     assert {r.headers["idempotent-replayed"] for r in replays} == {"true"}
     assert len({r.content for r in replays}) == 1
     assert effects.count(key) == 1
+
+
+async def test_duplicates_that_wait_get_the_replay_across_workers(
+    store_url: str, tmp_path: Path
+) -> None:
+    settings = {"RELIABILITY_DELAY": "0.5", "RELIABILITY_WAIT": "10", "RELIABILITY_LEASE": "5"}
+    with running_workers(store_url, tmp_path, 2, **settings) as servers:
+        key = f"wait-{uuid.uuid4().hex}"
+        answers: list[httpx.Response] = []
+
+        async def post(client: httpx.AsyncClient, server: ServerProcess) -> None:
+            answers.append(
+                await client.post(
+                    server.url + "/work", content=b"same", headers={"Idempotency-Key": key}
+                )
+            )
+
+        async with httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+            for index in range(50):
+                group.start_soon(post, client, servers[index % 2])
+    effects = Effects(tmp_path / "effects.db")
+    assert effects.count(key) == 1
+    # No 409: every duplicate waited for the one run and got its answer.
+    assert [answer.status_code for answer in answers] == [200] * 50
+    assert len({answer.json()["run"] for answer in answers}) == 1
+    assert sum("idempotent-replayed" in answer.headers for answer in answers) == 49
