@@ -15,10 +15,9 @@ from alembic import context
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from idempotency_mw.alembic import VERSION_TABLE
 from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
-
-VERSION_TABLE = "idempotency_mw_alembic_version"
 
 
 def _not_a_primary_key_name_note(record: logging.LogRecord) -> bool:
