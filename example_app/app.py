@@ -12,7 +12,8 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Annotated
 
-from fastapi import FastAPI, Path, Request
+from fastapi import FastAPI, Path, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -20,6 +21,7 @@ from starlette.requests import HTTPConnection
 
 from idempotency_mw import IdempotencyMiddleware, SQLStore, idempotent
 from idempotency_mw.cli import upgrade
+from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.stores.sql import async_url
 
 DEFAULT_DATABASE_URL = "sqlite:///./example.db"
@@ -87,12 +89,21 @@ def create_app(database_url: str | None = None) -> FastAPI:
         await engine.dispose()
 
     app = FastAPI(title="Ticket service", lifespan=lifespan)
+    # A registry of the app's own: several apps in one process (tests) each count their own.
+    registry = CollectorRegistry()
+    app.state.metrics = PrometheusMetrics(registry)
     app.add_middleware(
         IdempotencyMiddleware,
         store=SQLStore(url),
         scope=caller_of,
         lease=timedelta(seconds=10),
+        # TODO(lead): on_event=app.state.metrics, once the middleware takes on_event.
     )
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        """Prometheus metrics, in its text exposition format."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tickets", status_code=201)
     @idempotent(ttl=timedelta(hours=1), required=True)
