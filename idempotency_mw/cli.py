@@ -20,6 +20,7 @@ from importlib.resources import files
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from idempotency_mw._version import __version__
+from idempotency_mw.admin import DEFAULT_REDIS_PREFIX
 from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
 
@@ -368,7 +369,9 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("key", help="the Idempotency-Key, as the client sent it")
             sub.add_argument("--scope", default="", help="the caller scope (default: none)")
         sub.add_argument(
-            "--prefix", default="idem:", help="Redis key prefix of the store (default: idem:)"
+            "--prefix",
+            default=DEFAULT_REDIS_PREFIX,
+            help=f"Redis key prefix of the store (default: {DEFAULT_REDIS_PREFIX})",
         )
         sub.add_argument(
             "--timeout",
