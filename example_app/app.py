@@ -16,6 +16,7 @@ from typing import Annotated
 from fastapi import FastAPI, Path, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -23,6 +24,7 @@ from starlette.requests import HTTPConnection
 
 from idempotency_mw import IdempotencyMiddleware, SQLStore, idempotent
 from idempotency_mw.cli import upgrade
+from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.stores.sql import async_url
 
 DEFAULT_DATABASE_URL = "sqlite:///./example.db"
@@ -98,12 +100,21 @@ def create_app(database_url: str | None = None) -> FastAPI:
         body = json.dumps({"detail": jsonable_encoder(exc.errors())}, ensure_ascii=True)
         return Response(body, status_code=422, media_type="application/json")
 
+    # A registry of the app's own: several apps in one process (tests) each count their own.
+    registry = CollectorRegistry()
+    app.state.metrics = PrometheusMetrics(registry)
     app.add_middleware(
         IdempotencyMiddleware,
         store=SQLStore(url),
         scope=caller_of,
         lease=timedelta(seconds=10),
+        on_event=app.state.metrics,
     )
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        """Prometheus metrics, in its text exposition format."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tickets", status_code=201)
     @idempotent(ttl=timedelta(hours=1), required=True)

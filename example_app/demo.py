@@ -89,15 +89,18 @@ class DemoSummary:
 
 
 class Progress:
-    """A one-line progress bar, redrawn in place on ``stream`` (nothing without one)."""
+    """Progress on ``stream`` (nothing without one): a bar redrawn in place on a terminal,
+    plain lines at each quarter elsewhere (a log gets no carriage returns)."""
 
     WIDTH = 30
+    STEPS = 4
 
     def __init__(self, label: str, total: int, stream: TextIO | None) -> None:
         self.label = label
         self.total = total
         self.done = 0
         self.stream = stream
+        self._terminal = stream is not None and stream.isatty()
         self._draw()
 
     def advance(self) -> None:
@@ -108,10 +111,15 @@ class Progress:
     def _draw(self) -> None:
         if self.stream is None:
             return
-        filled = self.WIDTH * self.done // self.total
-        bar = "#" * filled + "." * (self.WIDTH - filled)
-        end = "\n" if self.done == self.total else ""
-        self.stream.write(f"\r{self.label:<10} [{bar}] {self.done}/{self.total}{end}")
+        if self._terminal:
+            filled = self.WIDTH * self.done // self.total
+            bar = "#" * filled + "." * (self.WIDTH - filled)
+            end = "\n" if self.done == self.total else ""
+            self.stream.write(f"\r{self.label:<10} [{bar}] {self.done}/{self.total}{end}")
+        elif self.done * self.STEPS // self.total != (self.done - 1) * self.STEPS // self.total:
+            self.stream.write(f"{self.label:<10} {self.done}/{self.total}\n")
+        else:
+            return
         self.stream.flush()
 
 

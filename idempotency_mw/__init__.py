@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from idempotency_mw._version import __version__
+from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.exceptions import ConfigurationError, IdempotencyError, SchemaError, StoreError
 from idempotency_mw.lifespan import store_lifespan
 from idempotency_mw.middleware import IdempotencyMiddleware, install
@@ -17,6 +19,7 @@ __all__ = [
     "ConfigurationError",
     "IdempotencyError",
     "IdempotencyMiddleware",
+    "PurgeSchedule",
     "RedisStore",
     "RouteOptions",
     "SQLStore",
@@ -24,6 +27,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoredResponse",
+    "__version__",
     "idempotent",
     "install",
     "store_lifespan",

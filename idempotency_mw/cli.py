@@ -1,27 +1,67 @@
-"""The ``idempotency-mw`` command: migrations without an Alembic project, and the purge."""
+"""The ``idempotency-mw`` command: migrations, the purge, and an operator's look at a store.
+
+Parsing and printing only; the work is done by :mod:`idempotency_mw.admin`, the purge and the
+packaged Alembic revisions. Drivers are imported only by the command that needs them, so a
+missing one is reported with the extra that installs it. Every error is one line on stderr;
+exit codes: 0 done, 1 not done (the store failed, no such record, a release refused),
+2 bad arguments, a missing driver or a missing table.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
 from importlib.resources import files
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio.to_thread
-from alembic import command
-from alembic.config import Config
-from alembic.util.exc import CommandError
+from idempotency_mw._version import __version__
+from idempotency_mw.admin import DEFAULT_REDIS_PREFIX
+from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
+from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
 
-from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE, purge
-from idempotency_mw.exceptions import ConfigurationError, StoreError, describe
-from idempotency_mw.stores.base import Store
-from idempotency_mw.stores.redis import RedisStore
-from idempotency_mw.stores.sql import SQLStore, async_url
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+    from idempotency_mw.admin import RecordView, ReleaseResult, StoreStats
+
+T = TypeVar("T")
+
+PROG = "idempotency-mw"
+#: The extra of this package that installs each module a command may import.
+EXTRA_OF_MODULE = {
+    "asyncpg": "postgresql",
+    "asyncmy": "mysql",
+    "aiosqlite": "sql",
+    "sqlalchemy": "sql",
+    "alembic": "sql",
+    "redis": "redis",
+    "hiredis": "redis",
+}
+DEFAULT_TIMEOUT = 30.0
+
+
+class _Failed(Exception):
+    """A command that did not do its job: the message for stderr, and the exit code."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# --- migrations ---------------------------------------------------------------------------------
 
 
 def alembic_config(url: str) -> Config:
     """An Alembic config for the packaged migrations, pointed at ``url``."""
+    from alembic.config import Config
+
+    from idempotency_mw.stores.sql import async_url
+
     config = Config()
     config.set_main_option("script_location", str(files("idempotency_mw") / "migrations"))
     # Config values go through ConfigParser interpolation, where % is special.
@@ -33,56 +73,56 @@ def alembic_config(url: str) -> Config:
 
 def upgrade_sync(url: str, revision: str = "head") -> None:
     """Create or update the idempotency table in ``url``'s database."""
+    from alembic import command
+
     command.upgrade(alembic_config(url), revision)
 
 
 async def upgrade(url: str, revision: str = "head") -> None:
     """:func:`upgrade_sync` from async code (Alembic runs its own event loop in a thread)."""
-    await anyio.to_thread.run_sync(upgrade_sync, url, revision)
+    await asyncio.to_thread(upgrade_sync, url, revision)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``idempotency-mw`` command."""
-    parser = argparse.ArgumentParser(
-        prog="idempotency-mw", description="Manage the idempotency-mw table."
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    migrate = commands.add_parser("migrate", help="create or upgrade the table (alembic upgrade)")
-    migrate.add_argument("--url", required=True, help="database URL, e.g. sqlite:///./app.db")
-    migrate.add_argument("--revision", default="head", help="target revision (default: head)")
-    downgrade = commands.add_parser("downgrade", help="downgrade the table (base removes it)")
-    downgrade.add_argument("--url", required=True, help="database URL")
-    downgrade.add_argument("--revision", default="base", help="target revision (default: base)")
-    purge_parser = commands.add_parser("purge", help="delete expired records now")
-    purge_parser.add_argument("--url", required=True, help="database or redis:// URL")
-    purge_parser.add_argument(
-        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="rows per transaction"
-    )
-    args = parser.parse_args(argv)
+def _migrate(args: argparse.Namespace) -> int:
+    from alembic import command
+    from alembic.util.exc import CommandError
 
+    config = alembic_config(args.url)
     try:
-        if args.command == "purge":
-            print(f"idempotency-mw: {asyncio.run(_purge(args.url, args.batch_size))}")
-            return 0
-        config = alembic_config(args.url)
         if args.command == "migrate":
             command.upgrade(config, args.revision)
         else:
             command.downgrade(config, args.revision)
-    except (ConfigurationError, CommandError) as exc:
-        print(f"idempotency-mw: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a database error: one line for the shell, not a traceback
-        cause = exc.__cause__ if isinstance(exc, StoreError) and exc.__cause__ else exc
-        print(f"idempotency-mw: {describe(cause)}", file=sys.stderr)
-        return 1
-    print(f"idempotency-mw: {args.command} to {args.revision} done")
+    except CommandError as exc:  # an unknown revision and the like
+        raise _Failed(str(exc), 2) from exc
+    print(f"{PROG}: {args.command} to {args.revision} done")
     return 0
 
 
-async def _purge(url: str, batch_size: int) -> str:
-    store: Store = RedisStore(url) if url.startswith(("redis:", "rediss:")) else SQLStore(url)
+# --- purge --------------------------------------------------------------------------------------
+
+
+def _purge(args: argparse.Namespace) -> int:
+    print(f"{PROG}: {_run(_purged(args.url, args.batch_size), args.timeout)}")
+    return 0
+
+
+async def _purged(url: str, batch_size: int) -> str:
+    from idempotency_mw.admin import is_redis_url
+    from idempotency_mw.cleanup import purge
+    from idempotency_mw.stores.base import Store
+
+    store: Store
+    if is_redis_url(url):
+        from idempotency_mw.stores.redis import RedisStore
+
+        store = RedisStore(url)
+    else:
+        from idempotency_mw.stores.sql import SQLStore
+
+        store = SQLStore(url)
     try:
+        await store.startup()  # a missing table: the command to run, not "no such table"
         report = await purge(store, batch_size=batch_size)
     finally:
         await store.aclose()
@@ -92,6 +132,297 @@ async def _purge(url: str, batch_size: int) -> str:
         f"purged {report.deleted} expired records in {report.seconds:.3f} s "
         f"({report.batches} batches of at most {batch_size})"
     )
+
+
+# --- inspect, release, stats --------------------------------------------------------------------
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from idempotency_mw import admin
+
+    record = _run(
+        admin.inspect(
+            args.url, args.key, scope=args.scope, with_body=args.body, prefix=args.prefix
+        ),
+        args.timeout,
+    )
+    if args.json:
+        _print_json(None if record is None else _record_json(record))
+    if record is None:
+        raise _Failed(f"no record of key {args.key!r} in scope {args.scope!r}")
+    if not args.json:
+        _print_record(record)
+        if record.body is not None:
+            print()
+            sys.stdout.write(record.body.decode("utf-8", "replace"))
+    return 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    from idempotency_mw import admin
+    from idempotency_mw.admin import ReleaseOutcome
+
+    result = _run(
+        admin.release(args.url, args.key, scope=args.scope, force=args.force, prefix=args.prefix),
+        args.timeout,
+    )
+    if args.json:
+        _print_json(_release_json(result))
+    described = f"key {args.key!r} in scope {args.scope!r}"
+    match result.outcome:
+        case ReleaseOutcome.RELEASED:
+            assert result.record is not None
+            if not args.json:
+                print(
+                    f"{PROG}: released {described} (it was {result.record.status}): "
+                    "its next request runs again"
+                )
+            return 0
+        case ReleaseOutcome.NOT_FOUND:
+            raise _Failed(f"no record of {described}: nothing to release")
+        case ReleaseOutcome.REFUSED:
+            assert result.record is not None
+            raise _Failed(
+                f"{described} is {result.record.status}, not in progress: its response is "
+                "what retries get; --force deletes it anyway (its next request then runs again)"
+            )
+        case ReleaseOutcome.CHANGED:
+            raise _Failed(
+                f"the record of {described} changed while it was being released "
+                "(a request settled or took it): inspect it and try again"
+            )
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from idempotency_mw import admin
+
+    stats = _run(admin.stats(args.url, prefix=args.prefix), args.timeout)
+    if args.json:
+        _print_json(_stats_json(stats))
+    else:
+        _print_stats(stats)
+    return 0
+
+
+# --- printing -----------------------------------------------------------------------------------
+
+
+def _when(moment: datetime | None, now: datetime) -> str:
+    if moment is None:
+        return "-"
+    seconds = (moment - now).total_seconds()
+    relative = f"in {_duration(seconds)}" if seconds >= 0 else f"{_duration(-seconds)} ago"
+    return f"{moment:%Y-%m-%d %H:%M:%S}.{moment.microsecond // 1000:03d} UTC ({relative})"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    minutes = int(seconds // 60)
+    if minutes < 120:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours} h {minutes} min"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h"
+
+
+def _size(size: int | None) -> str:
+    if size is None:
+        return "-"
+    scaled = float(size)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if scaled < 1024 or unit == "GiB":
+            break
+        scaled /= 1024
+    return f"{size:,} bytes" if unit == "bytes" else f"{scaled:.1f} {unit}"
+
+
+def _print_rows(rows: list[tuple[str, str]]) -> None:
+    width = max(len(label) for label, _ in rows) + 2
+    for label, value in rows:
+        print(f"{label:<{width}}{value}")
+
+
+def _print_record(record: RecordView) -> None:
+    now = record.now
+    response = "-"
+    if record.response_status is not None:
+        response = f"{record.response_status}, {_size(record.response_size)}"
+    rows = [
+        ("key", f"{record.key!r} in scope {record.scope!r}"),
+        ("status", record.status + (" (expired: treated as absent)" if record.expired else "")),
+        ("request hash", record.request_hash),
+        ("created", _when(record.created_at, now)),
+        ("lease until", _when(record.lease_expires_at, now)),
+        ("expires", _when(record.expires_at, now)),
+        ("response", response),
+        ("store clock", _when(now, now).split(" (")[0]),
+    ]
+    _print_rows(rows)
+
+
+def _print_stats(stats: StoreStats) -> None:
+    rows = [("records", f"{stats.total:,}")]
+    rows += [(f"  {status}", f"{count:,}") for status, count in stats.by_status.items()]
+    expired = "- (Redis deletes them itself)" if stats.expired is None else f"{stats.expired:,}"
+    rows += [
+        ("expired, awaiting purge", expired),
+        ("oldest in progress", _when(stats.oldest_in_progress, stats.now)),
+        ("size", _size(stats.size_bytes)),
+        ("store clock", _when(stats.now, stats.now).split(" (")[0]),
+    ]
+    _print_rows(rows)
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat(timespec="milliseconds")
+
+
+def _record_json(record: RecordView) -> dict[str, Any]:
+    shown: dict[str, Any] = {
+        "scope": record.scope,
+        "key": record.key,
+        "status": record.status.value,
+        "expired": record.expired,
+        "request_hash": record.request_hash,
+        "created_at": _iso(record.created_at),
+        "lease_expires_at": _iso(record.lease_expires_at),
+        "expires_at": _iso(record.expires_at),
+        "response_status": record.response_status,
+        "response_size": record.response_size,
+        "now": _iso(record.now),
+    }
+    if record.body is not None:
+        shown["body_base64"] = base64.b64encode(record.body).decode()
+    return shown
+
+
+def _release_json(result: ReleaseResult) -> dict[str, Any]:
+    record = None if result.record is None else _record_json(result.record)
+    return {"outcome": result.outcome.value, "record": record}
+
+
+def _stats_json(stats: StoreStats) -> dict[str, Any]:
+    return {
+        "total": stats.total,
+        "by_status": {status.value: count for status, count in stats.by_status.items()},
+        "expired": stats.expired,
+        "oldest_in_progress": _iso(stats.oldest_in_progress),
+        "size_bytes": stats.size_bytes,
+        "now": _iso(stats.now),
+    }
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value))
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+def _run(operation: Awaitable[T], timeout: float) -> T:
+    """Run a store operation to its end, or fail after ``timeout`` seconds."""
+
+    async def bounded() -> T:
+        try:
+            async with asyncio.timeout(timeout):
+                return await operation
+        except TimeoutError as exc:
+            raise _Failed(f"the store did not answer within {timeout:g} s") from exc
+
+    return asyncio.run(bounded())
+
+
+def _one_line(exc: BaseException) -> tuple[str, int]:
+    """An error as the shell sees it: one line, and the exit code."""
+    if isinstance(exc, _Failed):
+        return str(exc), exc.exit_code
+    if isinstance(exc, ModuleNotFoundError):
+        module = (exc.name or "").partition(".")[0]
+        extra = EXTRA_OF_MODULE.get(module)
+        if extra is None:
+            return describe(exc), 2
+        return f"this needs {module}: install idempotency-mw[{extra}]", 2
+    if isinstance(exc, ConfigurationError | SchemaError):
+        return str(exc), 2
+    cause = exc.__cause__ if isinstance(exc, StoreError) and exc.__cause__ else exc
+    return describe(cause), 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Manage the idempotency-mw table and look into a store."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, run: Callable[[argparse.Namespace], int], summary: str) -> Any:
+        sub = commands.add_parser(name, help=summary, description=summary)
+        sub.set_defaults(run=run)
+        return sub
+
+    def store_options(sub: Any, *, keyed: bool) -> None:
+        sub.add_argument("--url", required=True, help="database or redis:// URL of the store")
+        if keyed:
+            sub.add_argument("key", help="the Idempotency-Key, as the client sent it")
+            sub.add_argument("--scope", default="", help="the caller scope (default: none)")
+        sub.add_argument(
+            "--prefix",
+            default=DEFAULT_REDIS_PREFIX,
+            help=f"Redis key prefix of the store (default: {DEFAULT_REDIS_PREFIX})",
+        )
+        sub.add_argument(
+            "--timeout",
+            type=float,
+            default=DEFAULT_TIMEOUT,
+            help=f"seconds to wait for the store (default: {DEFAULT_TIMEOUT:g})",
+        )
+        sub.add_argument("--json", action="store_true", help="print JSON, for scripts")
+
+    migrate = command("migrate", _migrate, "create or upgrade the table (alembic upgrade)")
+    migrate.add_argument("--url", required=True, help="database URL, e.g. sqlite:///./app.db")
+    migrate.add_argument("--revision", default="head", help="target revision (default: head)")
+    downgrade = command("downgrade", _migrate, "downgrade the table (base removes it)")
+    downgrade.add_argument("--url", required=True, help="database URL")
+    downgrade.add_argument("--revision", default="base", help="target revision (default: base)")
+
+    purge = command("purge", _purge, "delete expired records now")
+    purge.add_argument("--url", required=True, help="database or redis:// URL")
+    purge.add_argument(
+        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="rows per transaction"
+    )
+    purge.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds the purge may take in all"
+    )
+
+    inspect = command("inspect", _inspect, "show one key's record (never its body unless --body)")
+    store_options(inspect, keyed=True)
+    inspect.add_argument("--body", action="store_true", help="print the recorded response body")
+    release = command(
+        "release",
+        _release,
+        "free a key stuck in progress, so that its next request runs again",
+    )
+    store_options(release, keyed=True)
+    release.add_argument(
+        "--force", action="store_true", help="delete a completed record too (no more replays)"
+    )
+    stats = command("stats", _stats, "count records by status, expired ones, the table's size")
+    store_options(stats, keyed=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``idempotency-mw`` command."""
+    args = _parser().parse_args(argv)
+    try:
+        exit_code: int = args.run(args)
+    except Exception as exc:
+        message, exit_code = _one_line(exc)
+        print(f"{PROG}: {message}", file=sys.stderr)
+    return exit_code
 
 
 if __name__ == "__main__":

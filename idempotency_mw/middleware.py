@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import logging
 import time
@@ -31,7 +30,7 @@ from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.exceptions import ConfigurationError, StoreError
 from idempotency_mw.fingerprint import canonical_json, request_fingerprint
 from idempotency_mw.lifespan import run_lifespan, store_lifespan
-from idempotency_mw.metrics import Event, EventHook, EventKind
+from idempotency_mw.metrics import Event, EventHook, EventKind, guard, key_hash
 from idempotency_mw.openapi import document_openapi
 from idempotency_mw.policy import (
     Duration,
@@ -201,7 +200,7 @@ class IdempotencyMiddleware:
             on_lease_lost=on_lease_lost,
             purge=purge,
             lifespan=lifespan,
-            on_event=on_event,
+            on_event=None if on_event is None else guard(on_event),
         )
         self._documented: set[int] = set()
         self._settlements = _Settlements()
@@ -328,17 +327,13 @@ class _Exchange:
     @property
     def key_id(self) -> str:
         """A short hash of scope and key, for logs: raw keys are never logged."""
-        return hashlib.sha256(f"{self.caller}\0{self.key}".encode()).hexdigest()[:12]
+        return key_hash(self.caller, self.key)
 
     def emit(self, kind: EventKind, **details: Any) -> None:
-        """Report an event to the ``on_event`` hook, if there is one; a failing hook is logged."""
+        """Report an event to the ``on_event`` hook (guarded: it cannot raise), if there is one."""
         hook = self.options.on_event
-        if hook is None:
-            return
-        try:
+        if hook is not None:
             hook(Event(kind, self.key_id, self.scope["method"], self.template, **details))
-        except Exception:
-            logger.exception("the on_event hook of IdempotencyMiddleware failed")
 
     async def call_store(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
         """A store call, timed and reported when an ``on_event`` hook is set."""

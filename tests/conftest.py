@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from idempotency_mw import RedisStore, SQLStore, Store
 from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
+from tests.scratch import scratch_database
 
 REQUIRE_SERVERS = os.environ.get("IDEMPOTENCY_REQUIRE_SERVERS") == "1"
 
@@ -82,6 +83,20 @@ async def fresh_sql_store(url: str) -> SQLStore:
         await conn.execute(text("DELETE FROM idempotency_records"))
     await engine.dispose()
     return SQLStore(url)
+
+
+@pytest.fixture
+def fresh_database(database_url: str) -> Iterator[str]:
+    """An empty database of ``database_url``'s kind that no other test uses.
+
+    SQLite's is a file of the test's own; a server's is made with the shared URL's account and
+    dropped afterwards, so migrations never race with the tests that use the shared database.
+    """
+    if database_url.startswith("sqlite"):
+        yield database_url
+        return
+    with scratch_database(database_url, "fresh") as url:
+        yield url
 
 
 @pytest.fixture

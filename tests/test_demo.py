@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import AsyncIterator
 from typing import TextIO
 
@@ -14,7 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from example_app import demo
-from example_app.demo import DemoConfig, DemoSummary, serve
+from example_app.demo import DemoConfig, DemoSummary, Progress, serve
 from example_app.proxy import HOST, Fault, FaultProxy, FaultRates
 
 
@@ -149,7 +150,33 @@ def test_demo_exits_0_when_the_idempotent_run_has_no_duplicates(
     assert idempotent.tickets == idempotent.confirmed == idempotent.operations == 30
     assert sum(idempotent.faults.values()) > 0
     out, err = capsys.readouterr()
-    assert "idempotent [" + "#" * 30 + "] 30/30" in err
+    # Captured stderr is no terminal: plain progress lines, no carriage returns.
+    assert "\r" not in err
+    assert err.splitlines()[-1] == "idempotent 30/30"
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:3]}
     assert rows["idempotent"][-2:] == ["0", "30"]
     assert out.rstrip().splitlines()[-1].startswith("OK:")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_redraws_one_line_on_a_terminal() -> None:
+    stream = Terminal()
+    bar = Progress("naive", 4, stream)
+    for _ in range(4):
+        bar.advance()
+    assert stream.getvalue().count("\r") == 5
+    assert stream.getvalue().endswith("\rnaive      [" + "#" * 30 + "] 4/4\n")
+
+
+def test_progress_writes_plain_lines_elsewhere() -> None:
+    stream = io.StringIO()
+    bar = Progress("idempotent", 200, stream)
+    for _ in range(200):
+        bar.advance()
+    assert stream.getvalue().splitlines() == [
+        f"idempotent {done}/200" for done in (0, 50, 100, 150, 200)
+    ]

@@ -74,4 +74,4 @@ async def test_a_failing_hook_is_logged_and_harms_nothing(
             again = await client.post("/tickets", json={}, headers={"Idempotency-Key": "k"})
     assert first.status_code == 201
     assert again.headers["idempotent-replayed"] == "true"
-    assert "on_event hook" in caplog.text
+    assert "event hook" in caplog.text

@@ -1,7 +1,7 @@
 """The Alembic migrations, the ``idempotency-mw`` command and the packaged revisions.
 
-Tests that migrate a server database do it in a database of their own (see ``fresh_database``),
-never in the shared one the other tests use.
+Tests that migrate a server database do it in a database of their own (``fresh_database`` in
+conftest.py), never in the shared one the other tests use.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -89,44 +89,6 @@ def _on_connection(url: str, operation: Callable[[Connection], T]) -> T:
             await engine.dispose()
 
     return asyncio.run(go())
-
-
-def _admin(url: str, *statements: str) -> None:
-    """Run statements outside a transaction (CREATE/DROP DATABASE) on ``url``'s server."""
-
-    async def go() -> None:
-        engine = create_async_engine(async_url(url), isolation_level="AUTOCOMMIT")
-        try:
-            async with engine.connect() as conn:
-                for statement in statements:
-                    await conn.execute(text(statement))
-        finally:
-            await engine.dispose()
-
-    asyncio.run(go())
-
-
-@pytest.fixture
-def fresh_database(database_url: str) -> Iterator[str]:
-    """An empty database of ``database_url``'s kind that no other test uses.
-
-    The shared server database cannot serve here: other test files (possibly run at the same time
-    by another process) create and use the idempotency table in it, so dropping it there races
-    with them and breaks their tests. Each test gets its own database on the same server, made
-    with the shared URL's account and dropped afterwards; the shared database is left untouched.
-    """
-    if _dialect(database_url) == "sqlite":  # already a file of this test's own tmp_path
-        yield database_url
-        return
-    name = f"idempotency_mw_migrations_{os.getpid()}"
-    drop = f"DROP DATABASE IF EXISTS {name}"
-    if _dialect(database_url) == "postgresql":
-        drop += " WITH (FORCE)"  # no connection of a failed run may keep it alive
-    _admin(database_url, drop, f"CREATE DATABASE {name}")
-    try:
-        yield make_url(database_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        _admin(database_url, drop)
 
 
 def _include_own_tables(name: str | None, type_: str, parent_names: Any) -> bool:

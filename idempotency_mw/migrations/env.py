@@ -8,16 +8,22 @@ table of their own, so this history never collides with the application's own Al
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 from alembic import context
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from idempotency_mw.alembic import VERSION_TABLE
 from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
 
-VERSION_TABLE = "idempotency_mw_alembic_version"
+
+def _not_a_primary_key_name_note(record: logging.LogRecord) -> bool:
+    # MariaDB/MySQL note that a primary key's name is ignored (all are named PRIMARY there),
+    # which asyncmy logs for every table made here: noise on an operator's console.
+    return "ignored for PRIMARY key" not in record.getMessage()
 
 
 def _url() -> str:
@@ -48,11 +54,14 @@ def _migrate(connection: Connection) -> None:
 
 async def _run_online() -> None:
     engine = create_async_engine(async_url(_url()))
+    driver_log = logging.getLogger("asyncmy")
+    driver_log.addFilter(_not_a_primary_key_name_note)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_migrate)
             await connection.commit()
     finally:
+        driver_log.removeFilter(_not_a_primary_key_name_note)
         await engine.dispose()
 
 

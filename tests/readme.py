@@ -1,0 +1,73 @@
+"""The README's fenced code blocks, with the marker comment that may precede each.
+
+A marker is a line ``<!-- readme: WHAT -->`` right before a block: it names a block that a
+test takes from the README (a file, settings, commands) or says why a block does not run alone.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+_MARKER = re.compile(r"^\s*<!-- readme: (?P<what>.+?) -->\s*$")
+_FENCE = re.compile(r"^(?P<indent>\s*)```(?P<language>\w*)\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block: its language, text, first line number and marker (if any)."""
+
+    language: str
+    text: str
+    line: int
+    marker: str | None
+
+
+def blocks(path: Path = README) -> list[Block]:
+    """Every fenced block of the README, in order."""
+    lines = path.read_text().splitlines()
+    found: list[Block] = []
+    marker: str | None = None
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if matched := _MARKER.match(line):
+            marker = matched["what"]
+        elif fence := _FENCE.match(line):
+            end = index + 1
+            while lines[end].strip() != "```":
+                end += 1
+            text = textwrap.dedent("\n".join(lines[index + 1 : end])) + "\n"
+            found.append(Block(fence["language"], text, index + 2, marker))
+            marker = None
+            index = end
+        elif line.strip():
+            marker = None  # a marker applies to the block right after it only
+        index += 1
+    return found
+
+
+def marked(what: str, path: Path = README) -> Block:
+    """The one block whose marker is ``what``."""
+    matching = [block for block in blocks(path) if block.marker == what]
+    assert len(matching) == 1, f"expected one README block marked {what!r}, found {len(matching)}"
+    return matching[0]
+
+
+def commands(block: Block) -> list[str]:
+    """The command lines of a shell block (comments and blank lines left out)."""
+    return [
+        line.strip()
+        for line in block.text.splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+
+
+def settings(block: Block) -> dict[str, str]:
+    """The ``name = value`` lines of an ini block."""
+    pairs = (line.split("=", 1) for line in block.text.splitlines() if "=" in line)
+    return {name.strip(): value.strip() for name, value in pairs}

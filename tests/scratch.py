@@ -1,0 +1,47 @@
+"""Databases of a test's own on the shared servers, made empty and dropped afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import make_url, text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from idempotency_mw.stores.sql import async_url
+
+
+def run_on_server(url: str, *statements: str) -> None:
+    """Run statements outside a transaction (CREATE/DROP DATABASE) on ``url``'s server."""
+
+    async def go() -> None:
+        engine = create_async_engine(async_url(url), isolation_level="AUTOCOMMIT")
+        try:
+            async with engine.connect() as conn:
+                for statement in statements:
+                    await conn.execute(text(statement))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(go())
+
+
+@contextmanager
+def scratch_database(url: str, purpose: str) -> Iterator[str]:
+    """The URL of an empty database ``<database>_<purpose>_<pid>`` on ``url``'s server.
+
+    The shared database cannot serve tests that create or drop tables in it: other tests
+    (possibly run by another process at the same time) use its idempotency table.
+    """
+    parsed = make_url(url)
+    name = f"{parsed.database}_{purpose}_{os.getpid()}"
+    drop = f"DROP DATABASE IF EXISTS {name}"
+    if parsed.get_backend_name() == "postgresql":
+        drop += " WITH (FORCE)"  # no connection of a failed run may keep it alive
+    run_on_server(url, drop, f"CREATE DATABASE {name}")
+    try:
+        yield parsed.set(database=name).render_as_string(hide_password=False)
+    finally:
+        run_on_server(url, drop)
