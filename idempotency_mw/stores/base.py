@@ -28,7 +28,12 @@ class Store(Protocol):
     Of any number of concurrent claims of one absent key, across processes, exactly one is
     ``ACQUIRED``. :meth:`renew`, :meth:`complete` and :meth:`release` act only while the token
     still owns the record and return whether they did, so a worker that lost its lease cannot
-    overwrite the record of the one that took over.
+    overwrite the record of the one that took over. Once both the lease and the TTL of an
+    in-progress record have passed, the record counts as absent even if nobody took it over:
+    they return ``False`` and change nothing, so a late writer never revives it.
+
+    Every step may reach the backend twice (a reply lost, the statement run again): a claim that
+    finds the record in progress under its own token answers ``ACQUIRED`` with that token again.
 
     Backend failures raise :class:`~idempotency_mw.exceptions.StoreError`.
     """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -21,6 +20,7 @@ from idempotency_mw.records import (
     ClaimOutcome,
     RecordStatus,
     StoredResponse,
+    new_token,
     pack_headers,
     unpack_headers,
 )
@@ -232,7 +232,12 @@ class RedisStore:
     async def claim(
         self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
     ) -> Claim:
-        token = os.urandom(16).hex()
+        return await self._claim(scope, key, fingerprint, ttl=ttl, lease=lease, token=new_token())
+
+    async def _claim(
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
+    ) -> Claim:
+        """:meth:`claim` with the request's ``token``: the same call again answers the same."""
         reply = await self._run(
             _CLAIM, self.redis_key(scope, key), fingerprint, token, _ms(ttl), _ms(lease)
         )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -17,6 +16,7 @@ from sqlalchemy import (
     exists,
     func,
     inspect,
+    not_,
     null,
     or_,
     select,
@@ -39,6 +39,7 @@ from idempotency_mw.records import (
     ClaimOutcome,
     RecordStatus,
     StoredResponse,
+    new_token,
     pack_headers,
     unpack_headers,
 )
@@ -112,12 +113,14 @@ def async_url(url: str | URL) -> URL:
 _NOW = _NowMs()
 _IN_PROGRESS = RecordStatus.IN_PROGRESS.value
 _KEY_IS = and_(records.c.scope == bindparam("p_scope"), records.c.key == bindparam("p_key"))
-_OWNED = and_(_KEY_IS, records.c.token == bindparam("p_token"), records.c.status == _IN_PROGRESS)
-#: Past its TTL and not held by a live lease.
+_MINE = and_(records.c.status == _IN_PROGRESS, records.c.token == bindparam("p_token"))
+#: Past its TTL and not held by a live lease: as good as absent.
 _EXPIRED = and_(
     records.c.expires_at <= _NOW,
     or_(records.c.status != _IN_PROGRESS, records.c.lease_expires_at <= _NOW),
 )
+#: Still in progress under this token, and not yet as good as absent.
+_OWNED = and_(_KEY_IS, _MINE, not_(_EXPIRED))
 #: Expired (any request may take it), or the same request's lease lapsed.
 _CAN_TAKE_OVER = or_(
     _EXPIRED,
@@ -146,6 +149,7 @@ _READ = select(
     records.c.response_status,
     records.c.response_headers,
     records.c.result_payload,
+    _MINE.label("mine"),
     _CAN_TAKE_OVER.label("free"),
 ).where(_KEY_IS)
 _WINNER = select(records.c.token).where(_KEY_IS)
@@ -197,7 +201,12 @@ class SQLStore:
     async def claim(
         self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
     ) -> Claim:
-        token = uuid.uuid4().hex
+        return await self._claim(scope, key, fingerprint, ttl=ttl, lease=lease, token=new_token())
+
+    async def _claim(
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
+    ) -> Claim:
+        """:meth:`claim` with the request's ``token``: the same call again answers the same."""
         params = {
             **_record_of(scope, key),
             "p_fingerprint": fingerprint,
@@ -212,7 +221,7 @@ class SQLStore:
             live, taken = await self._call(self._claim_step(self._driver, params))
             if taken:
                 return Claim(ClaimOutcome.ACQUIRED, token=token)
-            existing = _outcome_of(live, fingerprint)
+            existing = _outcome_of(live, fingerprint, token)
             if existing is not None:
                 return existing
         raise StoreError(f"the record of a key kept changing while it was claimed ({TABLE_NAME})")
@@ -322,13 +331,18 @@ def _record_of(scope: str, key: str) -> dict[str, str]:
     return {"p_scope": _stored(scope), "p_key": _stored(key)}
 
 
-def _outcome_of(row: Sequence[Any] | None, fingerprint: str) -> Claim | None:
-    """The outcome a live record decides (a row of ``_READ``), or ``None`` if the key is free."""
+def _outcome_of(row: Sequence[Any] | None, fingerprint: str, token: str) -> Claim | None:
+    """The outcome a live record decides (a row of ``_READ``), or ``None`` if the key is free.
+
+    A record in progress under ``token`` is this request's own: its claim was delivered before.
+    """
     if row is None:
         return None
-    request_hash, status, response_status, response_headers, result_payload, free = row
+    request_hash, status, response_status, response_headers, result_payload, mine, free = row
     if free:
         return None
+    if mine:
+        return Claim(ClaimOutcome.ACQUIRED, token=token)
     if request_hash != fingerprint:
         return Claim(ClaimOutcome.MISMATCH)
     if status == RecordStatus.COMPLETED.value:
