@@ -5,13 +5,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from typing import Protocol, cast
+from typing import cast
 
 import anyio
 import pytest
 
 from idempotency_mw import Claim, ClaimOutcome, Store, StoredResponse
 from idempotency_mw.records import new_token
+from idempotency_mw.stores.base import ClaimsWithToken
 
 pytestmark = pytest.mark.anyio
 
@@ -31,19 +32,11 @@ async def acquire(store: Store, key: str = "k", fingerprint: str = "f", **times:
     return claim.token
 
 
-class _ClaimsWithToken(Protocol):
-    """Every store's claim with the request's token chosen by the caller (a test seam)."""
-
-    async def _claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
-    ) -> Claim: ...
-
-
 async def test_the_same_claim_delivered_twice_acquires_both_times(store: Store) -> None:
     # A claim whose reply was lost is delivered again (by the driver, or by the store's own
     # rerun of a dead pooled connection): it must not find itself in the way.
     token = new_token()
-    seam = cast(_ClaimsWithToken, store)
+    seam = cast(ClaimsWithToken, store)
     first = await seam._claim("", "k", "f", ttl=TTL, lease=LEASE, token=token)
     again = await seam._claim("", "k", "f", ttl=TTL, lease=LEASE, token=token)
     assert first == again == Claim(ClaimOutcome.ACQUIRED, token=token)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Protocol, runtime_checkable
 
-from idempotency_mw.records import Claim, StoredResponse
+from idempotency_mw.records import Claim, StoredResponse, new_token
 
 
 @runtime_checkable
@@ -73,3 +74,23 @@ class Store(Protocol):
     async def aclose(self) -> None:
         """Release what the store opened itself; never what it was given."""
         ...
+
+
+class ClaimsWithToken(abc.ABC):
+    """A store whose :meth:`claim` is :meth:`_claim` with a fresh token.
+
+    ``_claim`` with a token already used is that claim delivered again: the contract suite calls
+    it twice to check that a store recognises its own token.
+    """
+
+    async def claim(
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
+    ) -> Claim:
+        """Claim ``key`` for a request whose hash is ``fingerprint`` (see :class:`Store`)."""
+        return await self._claim(scope, key, fingerprint, ttl=ttl, lease=lease, token=new_token())
+
+    @abc.abstractmethod
+    async def _claim(
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
+    ) -> Claim:
+        """:meth:`claim` with the request's ``token``."""

@@ -20,10 +20,10 @@ from idempotency_mw.records import (
     ClaimOutcome,
     RecordStatus,
     StoredResponse,
-    new_token,
     pack_headers,
     unpack_headers,
 )
+from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.stores.resp import Address, Arg, PipelinedConnection
 
 T = TypeVar("T")
@@ -167,7 +167,7 @@ def _ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
 
-class RedisStore:
+class RedisStore(ClaimsWithToken):
     """Idempotency records in Redis, one hash per record.
 
     Give either ``url`` or ``client``. From a ``redis://`` or ``unix://`` URL (host, port,
@@ -229,15 +229,9 @@ class RedisStore:
             digest.update(encoded)
         return f"{self._prefix}{{{digest.hexdigest()}}}"
 
-    async def claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
-    ) -> Claim:
-        return await self._claim(scope, key, fingerprint, ttl=ttl, lease=lease, token=new_token())
-
     async def _claim(
         self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
     ) -> Claim:
-        """:meth:`claim` with the request's ``token``: the same call again answers the same."""
         reply = await self._run(
             _CLAIM, self.redis_key(scope, key), fingerprint, token, _ms(ttl), _ms(lease)
         )

@@ -39,10 +39,10 @@ from idempotency_mw.records import (
     ClaimOutcome,
     RecordStatus,
     StoredResponse,
-    new_token,
     pack_headers,
     unpack_headers,
 )
+from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.stores.drivers import (
     READ_COMMITTED,
     AsyncmyDriver,
@@ -173,7 +173,7 @@ _COMPLETE = (
 _RELEASE = delete(records).where(_OWNED)
 
 
-class SQLStore:
+class SQLStore(ClaimsWithToken):
     """Idempotency records in the ``idempotency_records`` table of a SQL database.
 
     ``database`` is a SQLAlchemy URL (with or without an async driver name) or an
@@ -198,15 +198,9 @@ class SQLStore:
         self._claim_step = _CLAIM_STEPS[dialect]
         self._purge = _PURGES[dialect]
 
-    async def claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
-    ) -> Claim:
-        return await self._claim(scope, key, fingerprint, ttl=ttl, lease=lease, token=new_token())
-
     async def _claim(
         self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
     ) -> Claim:
-        """:meth:`claim` with the request's ``token``: the same call again answers the same."""
         params = {
             **_record_of(scope, key),
             "p_fingerprint": fingerprint,
