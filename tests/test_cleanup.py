@@ -181,3 +181,16 @@ def test_cli_purge_on_redis(capsys: pytest.CaptureFixture[str]) -> None:
     require_server(REDIS_URL)
     assert main(["purge", "--url", REDIS_URL]) == 0
     assert "nothing to purge" in capsys.readouterr().out
+
+
+async def test_purges_compile_no_new_statement_per_batch(
+    sql_store: SQLStore, sql_engine: AsyncEngine
+) -> None:
+    await fill(sql_engine, expired=300, live=0)
+    compiled = sql_store._driver._compile  # type: ignore[attr-defined]
+    await purge(sql_store, batch_size=7)
+    known = len(compiled)
+    # Each batch, and each other batch size, runs the statement compiled before.
+    for batch_size in (1, 2, 3, 7, 50, 1000):
+        await purge(sql_store, batch_size=batch_size)
+    assert len(compiled) == known

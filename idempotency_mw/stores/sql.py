@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.expression import FunctionElement
+from sqlalchemy.sql.expression import ClauseElement, Delete, Executable, FunctionElement
 from sqlalchemy.types import BigInteger, Integer
 
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
@@ -368,9 +368,29 @@ def _purge_oldest(batch_size: int) -> tuple[Any, dict[str, Any]]:
     return _PURGE_OLDEST, {"p_batch_size": batch_size}
 
 
+class _DeleteLimit(Executable, ClauseElement):
+    """``DELETE ... LIMIT :p_batch_size``: MariaDB takes no LIMIT in an IN subquery.
+
+    SQLAlchemy's own ``mysql_limit`` writes the number into the SQL, so every batch size would
+    be a statement of its own; the MySQL drivers fill in a bound LIMIT like any parameter.
+    """
+
+    inherit_cache = True
+
+    def __init__(self, statement: Delete) -> None:
+        self.statement = statement
+
+
+@compiles(_DeleteLimit)
+def _compile_delete_limit(element: _DeleteLimit, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"{compiler.process(element.statement, **kw)} LIMIT {compiler.process(_BATCH, **kw)}"
+
+
+_PURGE_LIMITED = _DeleteLimit(delete(records).where(_EXPIRED))
+
+
 def _purge_limited(batch_size: int) -> tuple[Any, dict[str, Any]]:
-    # MariaDB takes no LIMIT in an IN subquery, but a single-table DELETE takes one (a number).
-    return delete(records).where(_EXPIRED).with_dialect_options(mysql_limit=batch_size), {}
+    return _PURGE_LIMITED, {"p_batch_size": batch_size}
 
 
 _PURGES: dict[str, Purge] = {
