@@ -10,9 +10,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import math
 import sqlite3
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar, cast
 
 from sqlalchemy import Connection, create_engine, event
@@ -27,8 +30,13 @@ from sqlalchemy.sql.expression import Executable
 
 T = TypeVar("T")
 Rows = Sequence[Sequence[Any]]
+#: When the store's operation under way must be over (``time.monotonic()``): set by SQLStore,
+#: so that a statement waiting for a lock in a thread gives up before its caller does.
+deadline: ContextVar[float] = ContextVar("idempotency_mw_deadline", default=math.inf)
 #: Commits between two WAL checkpoints, which the worker thread runs off the event loop.
 _CHECKPOINT_EVERY = 1000
+#: Without a deadline (a driver used outside SQLStore), the longest wait for a SQLite lock.
+_LONGEST_BUSY_WAIT = 30.0
 
 
 class Driver(Protocol):
@@ -271,27 +279,25 @@ class SQLiteDriver:
 
     Statements run on the event loop itself on a connection that never waits for a lock
     (busy timeout 0): tens of microseconds, less than one hop to a thread. When another
-    connection holds the write lock, the statement runs instead in one worker thread whose
-    connection waits for it. WAL checkpoints, which write to disk, also run in that thread.
+    connection holds the lock, the statement runs instead in one worker thread whose connection
+    waits for it, but only until the operation's :data:`deadline`: a statement that could not
+    run in time never runs later. Connections are opened, and WAL checkpoints run, in that
+    thread. The file's journal mode is left as it is unless ``wal`` asks for WAL (with
+    ``synchronous=NORMAL``).
     """
 
     errors: tuple[type[Exception], ...] = (sqlite3.Error, SQLAlchemyError)
 
-    def __init__(self, url: URL, *, busy_timeout: float = 30.0) -> None:
+    def __init__(self, url: URL, *, wal: bool = False) -> None:
         self.dialect_name = "sqlite"
         self._path = url.database or ""
         self._sync_url = url.set(drivername="sqlite+pysqlite")
-        self._busy_ms = int(busy_timeout * 1000)
+        self._wal = wal
         self._compile = _CompileCache(sqlite.pysqlite.dialect())
         self._loop_connection: sqlite3.Connection | None = None
         self._worker_connection: sqlite3.Connection | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._commits = 0
-
-    def _connect(self, busy_ms: int, checkpoints: bool) -> sqlite3.Connection:
-        connection = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
-        tune_sqlite(connection, busy_ms=busy_ms, checkpoints=checkpoints)
-        return connection
 
     @property
     def _worker(self) -> ThreadPoolExecutor:
@@ -299,31 +305,63 @@ class SQLiteDriver:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="idempotency-mw-sqlite")
         return self._executor
 
-    def _on_loop(self) -> sqlite3.Connection:
-        if self._loop_connection is None:
-            self._loop_connection = self._connect(0, checkpoints=False)
-        return self._loop_connection
+    async def _in_worker(self, operation: Callable[[float], T]) -> T:
+        """``operation(seconds left)`` in the worker thread, within the operation's deadline."""
+        ends = deadline.get()
 
-    def _in_worker(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Cursor:
+        def run() -> T:
+            return operation(ends - time.monotonic())
+
+        return await asyncio.get_running_loop().run_in_executor(self._worker, run)
+
+    def _connect(self, busy_seconds: float) -> sqlite3.Connection:
+        connection = sqlite3.connect(
+            self._path, timeout=0, isolation_level=None, check_same_thread=False
+        )
+        _busy_wait(connection, busy_seconds)
+        if self._wal:
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=NORMAL")
+        return connection
+
+    def _worker_execute(self, sql: str, args: tuple[Any, ...], seconds: float) -> sqlite3.Cursor:
         if self._worker_connection is None:
-            self._worker_connection = self._connect(self._busy_ms, checkpoints=True)
+            self._worker_connection = self._connect(seconds)
+        _busy_wait(self._worker_connection, seconds)
         return self._worker_connection.execute(sql, args)
+
+    async def _on_loop(self) -> sqlite3.Connection:
+        if self._loop_connection is None:
+
+            def connect(seconds: float) -> sqlite3.Connection:
+                connection = self._connect(seconds)
+                _busy_wait(connection, 0)
+                # Checkpoints write to disk: the worker thread runs them, never the event loop.
+                connection.execute("PRAGMA wal_autocheckpoint=0")
+                return connection
+
+            connection = await self._in_worker(connect)
+            if self._loop_connection is None:
+                self._loop_connection = connection
+            else:  # another call opened one meanwhile
+                connection.close()
+        return self._loop_connection
 
     async def _execute(self, statement: Executable, params: Mapping[str, Any]) -> Any:
         compiled = self._compile(statement)
         args = compiled.args(params)
         try:
-            cursor = self._on_loop().execute(compiled.sql, args)
+            cursor = (await self._on_loop()).execute(compiled.sql, args)
             return cursor.fetchall(), cursor.rowcount
         except sqlite3.OperationalError as exc:
             if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
                 raise
 
-        def run() -> tuple[Rows, int]:
-            cursor = self._in_worker(compiled.sql, args)
+        def run(seconds: float) -> tuple[Rows, int]:
+            cursor = self._worker_execute(compiled.sql, args, seconds)
             return cursor.fetchall(), cursor.rowcount
 
-        return await asyncio.get_running_loop().run_in_executor(self._worker, run)
+        return await self._in_worker(run)
 
     async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
         rows: Rows = (await self._execute(statement, params))[0]
@@ -339,19 +377,19 @@ class SQLiteDriver:
     def _checkpoint(self) -> None:
         # Failing means another connection is checkpointing; the next round catches up.
         with contextlib.suppress(sqlite3.Error):
-            self._in_worker("PRAGMA wal_checkpoint(PASSIVE)", ())
+            self._worker_execute("PRAGMA wal_checkpoint(PASSIVE)", (), 0)
 
     async def run_sync(self, operation: Callable[[Connection], T]) -> T:
-        def run() -> T:
+        def run(seconds: float) -> T:
             engine = create_engine(self._sync_url, poolclass=NullPool)
-            event.listen(engine, "connect", lambda conn, _: tune_sqlite(conn, self._busy_ms, True))
+            event.listen(engine, "connect", lambda conn, _: _busy_wait(conn, seconds))
             try:
                 with engine.begin() as conn:
                     return operation(conn)
             finally:
                 engine.dispose()
 
-        return await asyncio.get_running_loop().run_in_executor(self._worker, run)
+        return await self._in_worker(run)
 
     async def aclose(self) -> None:
         """Close both connections; the driver opens new ones if it is used again."""
@@ -368,6 +406,12 @@ class SQLiteDriver:
         if self._loop_connection is not None:
             self._loop_connection.close()
             self._loop_connection = None
+
+
+def _busy_wait(connection: Any, seconds: float) -> None:
+    """How long ``connection`` waits for another's lock before it fails (SQLITE_BUSY)."""
+    milliseconds = max(0, int(min(seconds, _LONGEST_BUSY_WAIT) * 1000))
+    connection.execute(f"PRAGMA busy_timeout={milliseconds}")
 
 
 _ATTEMPTS = 3
@@ -409,14 +453,3 @@ def _mysql_error_code(exc: Exception) -> object:
 
 async def _keep_session(connection: Any) -> None:
     """A pool reset that does nothing."""
-
-
-def tune_sqlite(connection: Any, busy_ms: int, checkpoints: bool) -> None:
-    """WAL, so readers and one writer work at once across processes; a busy timeout."""
-    cursor = connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
-    if not checkpoints:
-        cursor.execute("PRAGMA wal_autocheckpoint=0")
-    cursor.close()

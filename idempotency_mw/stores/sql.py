@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
+from typing import cast as type_cast
 
 from sqlalchemy import (
     Connection,
@@ -50,10 +52,13 @@ from idempotency_mw.stores.drivers import (
     Driver,
     SQLAlchemyDriver,
     SQLiteDriver,
+    deadline,
 )
 from idempotency_mw.stores.schema import TABLE_NAME, records
 
 T = TypeVar("T")
+#: The share of the operation timeout a statement may spend in a thread waiting for a lock.
+_THREAD_SHARE = 0.9
 
 #: The async driver used for each backend when a URL names none (or a sync one).
 ASYNC_DRIVERS = {
@@ -178,16 +183,22 @@ class SQLStore(ClaimsWithToken):
 
     ``database`` is a SQLAlchemy URL (with or without an async driver name) or an
     :class:`~sqlalchemy.ext.asyncio.AsyncEngine`, which the store never disposes. From a URL the
-    store picks the fastest safe driver: asyncpg for PostgreSQL, the standard library's sqlite3
-    for a SQLite file (WAL and a busy timeout, so several worker processes can share it), and
-    SQLAlchemy's async engine otherwise. ``operation_timeout`` bounds every database call
-    (seconds).
+    store picks the fastest safe driver: asyncpg for PostgreSQL, asyncmy for MariaDB/MySQL, the
+    standard library's sqlite3 for a SQLite file, and SQLAlchemy's async engine otherwise.
+    ``operation_timeout`` bounds every database call (seconds). A SQLite file keeps its journal
+    mode unless ``sqlite_wal=True`` switches it to WAL with ``synchronous=NORMAL``: readers and a
+    writer of several processes no longer wait for each other, and a power cut can lose the
+    latest commits (never corrupt the file).
     """
 
     def __init__(
-        self, database: str | URL | AsyncEngine, *, operation_timeout: float = 10.0
+        self,
+        database: str | URL | AsyncEngine,
+        *,
+        operation_timeout: float = 10.0,
+        sqlite_wal: bool = False,
     ) -> None:
-        self._driver = _driver_for(database)
+        self._driver = _driver_for(database, sqlite_wal=sqlite_wal)
         self._operation_timeout = operation_timeout
         self._errors: tuple[type[Exception], ...] = (
             *self._driver.errors,
@@ -273,20 +284,30 @@ class SQLStore(ClaimsWithToken):
 
     async def _call(self, operation: Awaitable[T]) -> T:
         """Await a driver call within the operation timeout; its failures become StoreError."""
+        # Work the driver hands to a thread must give up before the caller stops waiting: a
+        # statement that ran after the request was answered 503 would hold the key for nothing.
+        ends = deadline.set(time.monotonic() + self._operation_timeout * _THREAD_SHARE)
         try:
             async with asyncio.timeout(self._operation_timeout):
                 return await operation
         except self._errors as exc:
             raise StoreError(describe(exc)) from exc
+        finally:
+            deadline.reset(ends)
 
 
-def _driver_for(database: str | URL | AsyncEngine) -> Driver:
-    if isinstance(database, AsyncEngine):
-        return SQLAlchemyDriver(database, owned=False)
-    url = async_url(database)
+_IN_MEMORY = (None, "", ":memory:")
+
+
+def _driver_for(database: str | URL | AsyncEngine, *, sqlite_wal: bool) -> Driver:
+    url = None if isinstance(database, AsyncEngine) else async_url(database)
+    if url is not None and url.get_backend_name() == "sqlite" and url.database not in _IN_MEMORY:
+        return SQLiteDriver(url, wal=sqlite_wal)
+    if sqlite_wal:
+        raise ConfigurationError("sqlite_wal=True applies to a SQLite file URL only")
+    if url is None:
+        return SQLAlchemyDriver(type_cast(AsyncEngine, database), owned=False)
     backend, driver = url.get_backend_name(), url.get_driver_name()
-    if backend == "sqlite" and url.database not in (None, "", ":memory:"):
-        return SQLiteDriver(url)
     if backend == "postgresql" and driver == "asyncpg":
         return AsyncpgDriver(url)
     if backend in ("mysql", "mariadb") and driver == "asyncmy":
