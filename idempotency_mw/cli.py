@@ -6,39 +6,16 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
-from importlib.resources import files
 
-import anyio.to_thread
 from alembic import command
-from alembic.config import Config
 from alembic.util.exc import CommandError
 
 from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE, purge
 from idempotency_mw.exceptions import ConfigurationError, StoreError, describe
 from idempotency_mw.stores.base import Store
-from idempotency_mw.stores.redis import RedisStore
-from idempotency_mw.stores.sql import SQLStore, async_url
+from idempotency_mw.stores.sql.migrate import alembic_config, upgrade, upgrade_sync
 
-
-def alembic_config(url: str) -> Config:
-    """An Alembic config for the packaged migrations, pointed at ``url``."""
-    config = Config()
-    config.set_main_option("script_location", str(files("idempotency_mw") / "migrations"))
-    # Config values go through ConfigParser interpolation, where % is special.
-    config.set_main_option(
-        "sqlalchemy.url", async_url(url).render_as_string(False).replace("%", "%%")
-    )
-    return config
-
-
-def upgrade_sync(url: str, revision: str = "head") -> None:
-    """Create or update the idempotency table in ``url``'s database."""
-    command.upgrade(alembic_config(url), revision)
-
-
-async def upgrade(url: str, revision: str = "head") -> None:
-    """:func:`upgrade_sync` from async code (Alembic runs its own event loop in a thread)."""
-    await anyio.to_thread.run_sync(upgrade_sync, url, revision)
+__all__ = ["alembic_config", "main", "upgrade", "upgrade_sync"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,7 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _purge(url: str, batch_size: int) -> str:
-    store: Store = RedisStore(url) if url.startswith(("redis:", "rediss:")) else SQLStore(url)
+    import idempotency_mw  # the stores import their drivers on first use
+
+    redis = url.startswith(("redis:", "rediss:"))
+    store: Store = idempotency_mw.RedisStore(url) if redis else idempotency_mw.SQLStore(url)
     try:
         report = await purge(store, batch_size=batch_size)
     finally:

@@ -18,8 +18,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw import RedisStore, SQLStore, Store
-from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import metadata
 from idempotency_mw.testing import MemoryStore
 
 REQUIRE_SERVERS = os.environ.get("IDEMPOTENCY_REQUIRE_SERVERS") == "1"

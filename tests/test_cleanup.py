@@ -17,8 +17,8 @@ from idempotency_mw import ClaimOutcome, RedisStore, SQLStore, StoredResponse
 from idempotency_mw.cleanup import PurgeSchedule, background_purge, purge
 from idempotency_mw.cli import main
 from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.stores.schema import records
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import records
 from idempotency_mw.testing import MemoryStore
 from tests.apps import make_app
 from tests.conftest import REDIS_URL, fresh_sql_store, require_server

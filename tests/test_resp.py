@@ -14,8 +14,8 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from idempotency_mw.exceptions import StoreError
-from idempotency_mw.stores.redis import RedisStore, _plain_address
-from idempotency_mw.stores.resp import Address, PipelinedConnection, pack
+from idempotency_mw.stores.redis.resp import Address, PipelinedConnection, pack
+from idempotency_mw.stores.redis.store import RedisStore, _plain_address
 from tests.conftest import REDIS_URL, require_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.servers]

@@ -14,8 +14,8 @@ from alembic import context
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import metadata
 
 VERSION_TABLE = "idempotency_mw_alembic_version"
 

@@ -2,7 +2,9 @@
 
 Every driver runs the same SQLAlchemy Core statements. The generic one goes through an
 ``AsyncEngine``; the fast ones compile each statement once with SQLAlchemy and hand the SQL
-straight to the driver: asyncpg for PostgreSQL, and the standard library's sqlite3 for SQLite.
+straight to the driver: asyncpg for PostgreSQL, asyncmy for MariaDB/MySQL, and the standard
+library's sqlite3 for a SQLite file. :func:`driver_for` chooses, by the rule its docstring
+states.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from typing import Any, Protocol, TypeVar, cast
 
 from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.dialects import mysql, postgresql, sqlite
-from sqlalchemy.engine import URL, Dialect
+from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import NullPool, StaticPool
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import Executable
+
+from idempotency_mw.exceptions import ConfigurationError
 
 T = TypeVar("T")
 Rows = Sequence[Sequence[Any]]
@@ -39,10 +43,39 @@ _CHECKPOINT_EVERY = 1000
 _LONGEST_BUSY_WAIT = 30.0
 
 
+#: The async driver used for each backend when a URL names none (or a sync one).
+ASYNC_DRIVERS = {
+    "sqlite": "aiosqlite",
+    "postgresql": "asyncpg",
+    "mysql": "asyncmy",
+    "mariadb": "asyncmy",
+}
+_ASYNC_DRIVER_NAMES = {"aiosqlite", "asyncpg", "psycopg", "asyncmy", "aiomysql"}
+_IN_MEMORY = (None, "", ":memory:")
+
+
+def async_url(url: str | URL) -> URL:
+    """``url`` with an async driver: ``sqlite:///x.db`` becomes ``sqlite+aiosqlite:///x.db``."""
+    try:
+        parsed = make_url(url)
+    except SQLAlchemyError as exc:
+        raise ConfigurationError(f"not a database URL: {url!r}") from exc
+    backend = parsed.get_backend_name()
+    if backend not in ASYNC_DRIVERS:
+        raise ConfigurationError(
+            f"unsupported database {backend!r}: use SQLite, PostgreSQL or MariaDB/MySQL"
+        )
+    if "+" in parsed.drivername and parsed.get_driver_name() in _ASYNC_DRIVER_NAMES:
+        return parsed
+    return parsed.set(drivername=f"{backend}+{ASYNC_DRIVERS[backend]}")
+
+
 class Driver(Protocol):
     """What SQLStore needs from a database connection."""
 
     dialect_name: str
+    #: Where the driver connects (shown, without its password, in errors).
+    url: URL
     #: Exceptions that mean "the database failed" (wrapped into StoreError by the store).
     errors: tuple[type[Exception], ...]
 
@@ -107,6 +140,7 @@ class SQLAlchemyDriver:
 
     def __init__(self, engine: AsyncEngine, *, owned: bool, in_autocommit: bool = False) -> None:
         self.dialect_name = engine.dialect.name
+        self.url = engine.url
         # Some drivers raise their own errors past SQLAlchemy (while a connection is set up).
         self.errors = (SQLAlchemyError, engine.dialect.loaded_dbapi.Error)
         self._owned = owned
@@ -149,7 +183,7 @@ class _PooledDriver(abc.ABC):
 
     def __init__(self, url: URL, dialect: Dialect, dialect_name: str) -> None:
         self.dialect_name = dialect_name
-        self._url = url
+        self.url = url
         self._compile = _CompileCache(dialect)
         self._pool: Any = None
         self._opening = asyncio.Lock()
@@ -177,7 +211,7 @@ class _PooledDriver(abc.ABC):
     async def run_sync(self, operation: Callable[[Connection], T]) -> T:
         if self._engine is None:
             self._engine = create_async_engine(
-                self._url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
+                self.url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
             )
         async with self._engine.connect() as conn:
             return await conn.run_sync(operation)
@@ -202,7 +236,7 @@ class AsyncpgDriver(_PooledDriver):
     async def _open_pool(self) -> Any:
         import asyncpg
 
-        dsn = self._url.set(drivername="postgresql").render_as_string(False)
+        dsn = self.url.set(drivername="postgresql").render_as_string(False)
         # The store sets no session state, so returning a connection to the pool needs no
         # reset query (asyncpg's default costs a round trip each time).
         return await asyncpg.create_pool(dsn, min_size=1, max_size=10, reset=_keep_session)
@@ -290,6 +324,7 @@ class SQLiteDriver:
 
     def __init__(self, url: URL, *, wal: bool = False) -> None:
         self.dialect_name = "sqlite"
+        self.url = url
         self._path = url.database or ""
         self._sync_url = url.set(drivername="sqlite+pysqlite")
         self._wal = wal
@@ -412,6 +447,41 @@ def _busy_wait(connection: Any, seconds: float) -> None:
     """How long ``connection`` waits for another's lock before it fails (SQLITE_BUSY)."""
     milliseconds = max(0, int(min(seconds, _LONGEST_BUSY_WAIT) * 1000))
     connection.execute(f"PRAGMA busy_timeout={milliseconds}")
+
+
+def driver_for(database: str | URL | AsyncEngine, *, sqlite_wal: bool) -> Driver:
+    """The driver for ``database``: a given engine as it is; from a URL, the fastest safe one.
+
+    A SQLite file gets :class:`SQLiteDriver`, ``postgresql`` (or ``+asyncpg``)
+    :class:`AsyncpgDriver`, ``mysql``/``mariadb`` (or ``+asyncmy``) :class:`AsyncmyDriver`;
+    any other async driver named in the URL (psycopg, aiomysql, an in-memory SQLite) goes
+    through SQLAlchemy's engine.
+    """
+    url = None if isinstance(database, AsyncEngine) else async_url(database)
+    if url is not None and url.get_backend_name() == "sqlite" and url.database not in _IN_MEMORY:
+        return SQLiteDriver(url, wal=sqlite_wal)
+    if sqlite_wal:
+        raise ConfigurationError("sqlite_wal=True applies to a SQLite file URL only")
+    if url is None:
+        return SQLAlchemyDriver(cast(AsyncEngine, database), owned=False)
+    backend, driver = url.get_backend_name(), url.get_driver_name()
+    if backend == "postgresql" and driver == "asyncpg":
+        return AsyncpgDriver(url)
+    if backend in ("mysql", "mariadb") and driver == "asyncmy":
+        return AsyncmyDriver(url)
+    if backend == "sqlite":
+        # An in-memory SQLite database exists once per connection: keep one connection.
+        return SQLAlchemyDriver(create_async_engine(url, poolclass=StaticPool), owned=True)
+    # READ COMMITTED spares MariaDB/MySQL the gap locks that make concurrent purges deadlock.
+    # Pre-ping: a connection pooled before an outage is replaced, not handed out dead.
+    options: dict[str, Any] = {"pool_pre_ping": True}
+    if backend in ("mysql", "mariadb"):
+        options["connect_args"] = {"init_command": READ_COMMITTED}
+    return SQLAlchemyDriver(
+        create_async_engine(url, isolation_level="AUTOCOMMIT", **options),
+        owned=True,
+        in_autocommit=True,
+    )
 
 
 _ATTEMPTS = 3
