@@ -29,8 +29,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import metadata
 
 Message = dict[str, Any]
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Message]], Any], Awaitable[None]]

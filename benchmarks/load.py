@@ -102,8 +102,8 @@ def check_loopback(url: str) -> str:
 async def prepare_database(url: str) -> None:
     """Create the database if needed; drop the example's tables; migrate; create them again."""
     from example_app.app import metadata as example_metadata
-    from idempotency_mw.cli import upgrade
     from idempotency_mw.stores.sql import async_url
+    from idempotency_mw.stores.sql.migrate import upgrade
 
     parsed = async_url(url)
     admin = create_async_engine(parsed.set(database="postgres"), isolation_level="AUTOCOMMIT")

@@ -66,8 +66,8 @@ from idempotency_mw._asgi import parse_key
 from idempotency_mw.fingerprint import request_fingerprint
 from idempotency_mw.middleware import IdempotencyMiddleware
 from idempotency_mw.records import Claim, ClaimOutcome, RecordStatus, StoredResponse
-from idempotency_mw.stores.schema import records
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import records
 
 FP = "f" * 64
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id": "x"}')

@@ -23,9 +23,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from starlette.requests import HTTPConnection
 
 from idempotency_mw import IdempotencyMiddleware, SQLStore, idempotent
-from idempotency_mw.cli import upgrade
 from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.migrate import upgrade
 
 DEFAULT_DATABASE_URL = "sqlite:///./example.db"
 

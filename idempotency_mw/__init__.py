@@ -1,6 +1,14 @@
-"""Safe retries for HTTP APIs: an ASGI ``Idempotency-Key`` middleware and its stores."""
+"""Safe retries for HTTP APIs: an ASGI ``Idempotency-Key`` middleware and its stores.
+
+The stores are imported on first use, so that ``import idempotency_mw`` loads neither
+SQLAlchemy nor redis-py: each needs its extra (``[sql]``, ``[postgresql]``, ``[mysql]``,
+``[redis]``).
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from idempotency_mw._version import __version__
 from idempotency_mw.cleanup import PurgeSchedule
@@ -10,8 +18,10 @@ from idempotency_mw.middleware import IdempotencyMiddleware, install
 from idempotency_mw.policy import RouteOptions, idempotent
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.stores.base import Store
-from idempotency_mw.stores.redis import RedisStore
-from idempotency_mw.stores.sql import SQLStore
+
+if TYPE_CHECKING:
+    from idempotency_mw.stores.redis import RedisStore
+    from idempotency_mw.stores.sql import SQLStore
 
 __all__ = [
     "Claim",
@@ -32,3 +42,25 @@ __all__ = [
     "install",
     "store_lifespan",
 ]
+
+#: Each lazily imported store: its module, the packages it needs, and the extra that has them.
+_STORES = {
+    "SQLStore": ("idempotency_mw.stores.sql", ("sqlalchemy", "alembic"), "sql"),
+    "RedisStore": ("idempotency_mw.stores.redis", ("redis",), "redis"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _STORES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, needs, extra = _STORES[name]
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] not in needs:
+            raise
+        raise ImportError(
+            f"{name} needs {exc.name}: pip install 'idempotency-mw[{extra}]'"
+        ) from exc
+    globals()[name] = value
+    return value

@@ -184,8 +184,8 @@ async def _sql_view(url: str) -> AsyncIterator[_SQLView]:
     from sqlalchemy.ext.asyncio import create_async_engine
     from sqlalchemy.pool import NullPool
 
-    from idempotency_mw.stores.schema import TABLE_NAME
     from idempotency_mw.stores.sql import async_url
+    from idempotency_mw.stores.sql.schema import TABLE_NAME
 
     database = async_url(url)
     _refuse_a_missing_sqlite_file(database)
@@ -220,8 +220,8 @@ class _SQLView:
     async def read(self, scope: str, key: str, *, with_body: bool) -> tuple[RecordView, str] | None:
         from sqlalchemy import func, select
 
-        from idempotency_mw.stores.schema import records
-        from idempotency_mw.stores.sql import _NOW
+        from idempotency_mw.stores.sql.schema import records
+        from idempotency_mw.stores.sql.statements import NOW
 
         columns = [
             records.c.status,
@@ -231,7 +231,7 @@ class _SQLView:
             records.c.expires_at,
             records.c.response_status,
             func.length(records.c.result_payload),
-            _NOW,
+            NOW,
             records.c.token,
         ]
         if with_body:
@@ -258,7 +258,7 @@ class _SQLView:
     async def delete(self, record: RecordView, token: str) -> bool:
         from sqlalchemy import delete
 
-        from idempotency_mw.stores.schema import records
+        from idempotency_mw.stores.sql.schema import records
 
         result = await self._conn.execute(
             delete(records).where(
@@ -273,8 +273,8 @@ class _SQLView:
     async def stats(self) -> StoreStats:
         from sqlalchemy import func, select
 
-        from idempotency_mw.stores.schema import records
-        from idempotency_mw.stores.sql import _EXPIRED, _NOW
+        from idempotency_mw.stores.sql.schema import records
+        from idempotency_mw.stores.sql.statements import EXPIRED, NOW
 
         by_status: dict[RecordStatus, int] = dict.fromkeys(RecordStatus, 0)
         oldest: int | None = None
@@ -287,9 +287,9 @@ class _SQLView:
             by_status[RecordStatus(status)] = count
             if status == RecordStatus.IN_PROGRESS:
                 oldest = first_created
-        expired_count = select(func.count()).select_from(records).where(_EXPIRED)
+        expired_count = select(func.count()).select_from(records).where(EXPIRED)
         expired, now = (
-            await self._conn.execute(select(expired_count.scalar_subquery(), _NOW))
+            await self._conn.execute(select(expired_count.scalar_subquery(), NOW))
         ).one()
         return StoreStats(
             by_status=by_status,
@@ -302,7 +302,7 @@ class _SQLView:
     async def _size(self) -> int | None:
         from sqlalchemy import text
 
-        from idempotency_mw.stores.schema import TABLE_NAME
+        from idempotency_mw.stores.sql.schema import TABLE_NAME
 
         query = _SIZE_QUERIES.get(self._conn.dialect.name)
         if query is None:
@@ -312,10 +312,10 @@ class _SQLView:
 
 
 def _key_is(scope: str, key: str) -> Any:
-    from idempotency_mw.stores.schema import records
-    from idempotency_mw.stores.sql import _stored
+    from idempotency_mw.stores.sql.schema import records
+    from idempotency_mw.stores.sql.store import stored_name
 
-    return (records.c.scope == _stored(scope)) & (records.c.key == _stored(key))
+    return (records.c.scope == stored_name(scope)) & (records.c.key == stored_name(key))
 
 
 _SIZE_QUERIES = {

@@ -13,7 +13,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from idempotency_mw.stores.schema import TABLE_NAME, metadata
+from idempotency_mw.stores.sql.schema import TABLE_NAME, metadata
 
 if TYPE_CHECKING:
     from alembic.operations.ops import MigrationScript

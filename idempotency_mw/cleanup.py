@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
-from idempotency_mw.exceptions import ConfigurationError, StoreError
+from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.policy import Duration, to_seconds
 from idempotency_mw.stores.base import Store
 
@@ -19,6 +19,7 @@ logger = logging.getLogger("idempotency_mw")
 
 DEFAULT_BATCH_SIZE = 1000
 DEFAULT_INTERVAL = timedelta(minutes=10)
+DEFAULT_FIRST_RETRY = timedelta(seconds=5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,34 +50,61 @@ async def purge(store: Store, *, batch_size: int = DEFAULT_BATCH_SIZE) -> PurgeR
             return PurgeReport(deleted, batches, time.perf_counter() - started)
 
 
+@dataclass(slots=True)
+class PurgeStats:
+    """What a background purge has done so far: for a health check or a metric."""
+
+    purges: int = 0
+    deleted: int = 0
+    #: Purges that raised; each is logged with its traceback.
+    failures: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class PurgeSchedule:
     """How often the background purge runs: every ``interval`` ± ``jitter`` (a fraction).
 
-    The jitter spreads the purges of many instances that started together.
+    The jitter spreads the purges of many instances that started together. A purge that fails
+    is tried again after ``first_retry``, then after twice as long each time, at most
+    ``interval``.
     """
 
     interval: Duration = DEFAULT_INTERVAL
     jitter: float = 0.2
     batch_size: int = DEFAULT_BATCH_SIZE
+    first_retry: Duration = DEFAULT_FIRST_RETRY
 
     def __post_init__(self) -> None:
         to_seconds(self.interval, "interval")
+        to_seconds(self.first_retry, "first_retry")
         if not 0 <= self.jitter < 1:
             raise ConfigurationError("jitter must be a fraction in [0, 1)")
         if self.batch_size < 1:
             raise ConfigurationError("batch_size must be at least 1")
 
-    async def run(self, store: Store) -> None:
-        """Purge on this schedule until cancelled; store errors are logged and retried."""
-        seconds = to_seconds(self.interval, "interval")
+    async def run(self, store: Store, stats: PurgeStats | None = None) -> None:
+        """Purge on this schedule until cancelled (or the store expires records by itself)."""
+        stats = PurgeStats() if stats is None else stats
+        interval = to_seconds(self.interval, "interval")
+        delay, failed_in_a_row = interval, 0
         while True:
-            await asyncio.sleep(seconds * random.uniform(1 - self.jitter, 1 + self.jitter))
+            await asyncio.sleep(delay * random.uniform(1 - self.jitter, 1 + self.jitter))
             try:
                 report = await purge(store, batch_size=self.batch_size)
-            except StoreError as exc:
-                logger.warning("purge of expired idempotency records failed: %s", exc)
+            except Exception:
+                stats.failures += 1
+                failed_in_a_row += 1
+                retry = to_seconds(self.first_retry, "first_retry") * 2 ** (failed_in_a_row - 1)
+                delay = min(interval, retry)
+                logger.exception(
+                    "purge of expired idempotency records failed (%d in a row); next in %.1f s",
+                    failed_in_a_row,
+                    delay,
+                )
                 continue
+            delay, failed_in_a_row = interval, 0
+            stats.purges += 1
+            stats.deleted += report.deleted
             if report.self_expiring:
                 return
             if report.deleted:
@@ -90,11 +118,21 @@ class PurgeSchedule:
 @asynccontextmanager
 async def background_purge(
     store: Store, schedule: PurgeSchedule | None = None
-) -> AsyncIterator[None]:
-    """Purge on ``schedule`` while the block runs (for a FastAPI ``lifespan=``)."""
-    task = asyncio.create_task((schedule or PurgeSchedule()).run(store))
+) -> AsyncIterator[PurgeStats]:
+    """Purge on ``schedule`` while the block runs (for a FastAPI ``lifespan=``).
+
+    Yields the purge's :class:`PurgeStats`. A purge task that ended on an error of its own is
+    logged when the block ends, never dropped silently.
+    """
+    stats = PurgeStats()
+    task = asyncio.create_task((schedule or PurgeSchedule()).run(store, stats))
     try:
-        yield
+        yield stats
     finally:
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            logger.error(
+                "the background purge of idempotency records had stopped on an error",
+                exc_info=task.exception(),
+            )

@@ -16,7 +16,6 @@ import json
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
-from importlib.resources import files
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from idempotency_mw._version import __version__
@@ -25,8 +24,6 @@ from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
 
 if TYPE_CHECKING:
-    from alembic.config import Config
-
     from idempotency_mw.admin import RecordView, ReleaseResult, StoreStats
 
 T = TypeVar("T")
@@ -56,36 +53,11 @@ class _Failed(Exception):
 # --- migrations ---------------------------------------------------------------------------------
 
 
-def alembic_config(url: str) -> Config:
-    """An Alembic config for the packaged migrations, pointed at ``url``."""
-    from alembic.config import Config
-
-    from idempotency_mw.stores.sql import async_url
-
-    config = Config()
-    config.set_main_option("script_location", str(files("idempotency_mw") / "migrations"))
-    # Config values go through ConfigParser interpolation, where % is special.
-    config.set_main_option(
-        "sqlalchemy.url", async_url(url).render_as_string(False).replace("%", "%%")
-    )
-    return config
-
-
-def upgrade_sync(url: str, revision: str = "head") -> None:
-    """Create or update the idempotency table in ``url``'s database."""
-    from alembic import command
-
-    command.upgrade(alembic_config(url), revision)
-
-
-async def upgrade(url: str, revision: str = "head") -> None:
-    """:func:`upgrade_sync` from async code (Alembic runs its own event loop in a thread)."""
-    await asyncio.to_thread(upgrade_sync, url, revision)
-
-
 def _migrate(args: argparse.Namespace) -> int:
     from alembic import command
     from alembic.util.exc import CommandError
+
+    from idempotency_mw.stores.sql.migrate import alembic_config
 
     config = alembic_config(args.url)
     try:

@@ -75,7 +75,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from idempotency_mw.exceptions import ConfigurationError, IdempotencyError
 from idempotency_mw.stores.redis import binary_client
-from idempotency_mw.stores.schema import ExactString, LongBinary
+from idempotency_mw.stores.sql.schema import ExactString, LongBinary
 
 logger = logging.getLogger("idempotency_mw.client")
 

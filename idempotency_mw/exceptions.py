@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from sqlalchemy.exc import DBAPIError
-
 
 class IdempotencyError(Exception):
     """Base class of every error raised by idempotency-mw."""
@@ -14,7 +12,10 @@ class ConfigurationError(IdempotencyError, ValueError):
 
 
 class StoreError(IdempotencyError):
-    """The store could not be reached or failed; the driver's error is the ``__cause__``."""
+    """The store could not be reached or failed; the driver's error is the ``__cause__``.
+
+    The message names the operation, the store and the cause.
+    """
 
 
 class SchemaError(StoreError):
@@ -26,5 +27,18 @@ def describe(exc: BaseException) -> str:
 
     Parameters hold keys, caller scopes and response bodies, which must never reach a log.
     """
-    error = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+    # SQLAlchemy's DBAPIError keeps the driver's own error in ``orig``.
+    original = getattr(exc, "orig", None)
+    error = original if isinstance(original, BaseException) else exc
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def store_error(operation: str, store: str, exc: BaseException, timeout: float) -> StoreError:
+    """The StoreError of ``operation`` on ``store`` (as ``repr`` shows it) that failed with
+    ``exc``; a timeout of the store's own says how long it waited."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        cause = f"no answer within {timeout} s"
+    else:
+        cause = describe(exc)
+    return StoreError(f"{operation} on {store} failed: {cause}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import secrets
 from dataclasses import dataclass
 
 
@@ -45,6 +46,11 @@ class Claim:
     outcome: ClaimOutcome
     token: str | None = None
     response: StoredResponse | None = None
+
+
+def new_token() -> str:
+    """A fresh claim token: 32 hex digits, unguessable."""
+    return secrets.token_hex(16)
 
 
 def pack_headers(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:

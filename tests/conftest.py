@@ -18,8 +18,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw import RedisStore, SQLStore, Store
-from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import metadata
+from idempotency_mw.testing import MemoryStore
 from tests.scratch import scratch_database
 
 REQUIRE_SERVERS = os.environ.get("IDEMPOTENCY_REQUIRE_SERVERS") == "1"
@@ -124,13 +125,16 @@ async def redis_client() -> AsyncIterator[redis.asyncio.Redis]:
     await client.aclose()
 
 
-STORES = [*DATABASES, "redis"]
+STORES = [*DATABASES, "redis", "memory"]
 
 
 @pytest.fixture(params=STORES)
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
     """Every store the library ships, empty: the contract suite runs on each."""
     name: str = request.param
+    if name == "memory":
+        yield MemoryStore()
+        return
     if name == "redis":
         require_server(REDIS_URL)
         redis_store = RedisStore(REDIS_URL, prefix=f"test-idem-{uuid.uuid4().hex}:")

@@ -18,8 +18,8 @@ import pytest
 from sqlalchemy import create_engine, inspect, text
 
 import idempotency_mw
-from idempotency_mw.stores.schema import SCHEMA_REVISION, TABLE_NAME
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import SCHEMA_REVISION, TABLE_NAME
 from tests.conftest import DATABASES, SERVER_DATABASES, require_server
 from tests.readme import commands, marked, settings
 from tests.scratch import scratch_database

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any
@@ -16,8 +17,9 @@ from idempotency_mw import ClaimOutcome, RedisStore, SQLStore, StoredResponse
 from idempotency_mw.cleanup import PurgeSchedule, background_purge, purge
 from idempotency_mw.cli import main
 from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.stores.schema import records
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import records
+from idempotency_mw.testing import MemoryStore
 from tests.apps import make_app
 from tests.conftest import REDIS_URL, fresh_sql_store, require_server
 
@@ -145,8 +147,64 @@ async def test_background_purge_context_manager_survives_store_errors(
     assert caplog.text.count("purge of expired idempotency records failed") >= 2
 
 
+class FailingPurges(MemoryStore):
+    """A store whose purges raise ``error`` the first ``failures`` times; it notes when."""
+
+    def __init__(self, error: BaseException, failures: int) -> None:
+        super().__init__()
+        self.error = error
+        self.failures = failures
+        self.attempts: list[float] = []
+
+    async def purge_expired(self, *, batch_size: int) -> int | None:
+        self.attempts.append(time.monotonic())
+        if len(self.attempts) <= self.failures:
+            raise self.error
+        return await super().purge_expired(batch_size=batch_size)
+
+
+async def test_any_purge_failure_is_logged_counted_and_retried_with_backoff(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = FailingPurges(RuntimeError("a bug, not a StoreError"), failures=3)
+    schedule = PurgeSchedule(interval=1, jitter=0, first_retry=0.05)
+    with caplog.at_level(logging.WARNING, logger="idempotency_mw"):
+        async with background_purge(store, schedule) as stats:
+            for _ in range(100):
+                if stats.purges:
+                    break
+                await anyio.sleep(0.05)
+    assert stats.failures == 3
+    assert stats.purges >= 1
+    gaps = [later - earlier for earlier, later in itertools.pairwise(store.attempts)]
+    # Retried sooner than the interval, then twice as long each time.
+    assert 0.05 <= gaps[0] < 0.5
+    assert gaps[1] >= 0.1
+    assert gaps[2] >= 0.2
+    failures = [r for r in caplog.records if "purge of expired" in r.getMessage()]
+    assert len(failures) == 3
+    assert all(r.exc_info and isinstance(r.exc_info[1], RuntimeError) for r in failures)
+
+
+class Fatal(BaseException):
+    """Not an Exception: nothing in the purge loop may swallow it."""
+
+
+async def test_a_purge_task_that_died_is_reported_at_shutdown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = FailingPurges(Fatal("gone"), failures=1)
+    with caplog.at_level(logging.ERROR, logger="idempotency_mw"):
+        async with background_purge(store, PurgeSchedule(interval=0.01, jitter=0)):
+            await anyio.sleep(0.2)
+    assert len(store.attempts) == 1
+    [record] = [r for r in caplog.records if "had stopped" in r.getMessage()]
+    assert record.exc_info
+    assert isinstance(record.exc_info[1], Fatal)
+
+
 def test_schedule_is_validated() -> None:
-    for options in ({"interval": 0}, {"jitter": 1.5}, {"batch_size": 0}):
+    for options in ({"interval": 0}, {"jitter": 1.5}, {"batch_size": 0}, {"first_retry": -1}):
         with pytest.raises(ConfigurationError):
             PurgeSchedule(**options)
 
@@ -181,3 +239,16 @@ def test_cli_purge_on_redis(capsys: pytest.CaptureFixture[str]) -> None:
     require_server(REDIS_URL)
     assert main(["purge", "--url", REDIS_URL]) == 0
     assert "nothing to purge" in capsys.readouterr().out
+
+
+async def test_purges_compile_no_new_statement_per_batch(
+    sql_store: SQLStore, sql_engine: AsyncEngine
+) -> None:
+    await fill(sql_engine, expired=300, live=0)
+    compiled = sql_store._driver._compile  # type: ignore[attr-defined]
+    await purge(sql_store, batch_size=7)
+    known = len(compiled)
+    # Each batch, and each other batch size, runs the statement compiled before.
+    for batch_size in (1, 2, 3, 7, 50, 1000):
+        await purge(sql_store, batch_size=batch_size)
+    assert len(compiled) == known

@@ -44,8 +44,8 @@ from idempotency_mw.client import (
 )
 from idempotency_mw.exceptions import StoreError
 from idempotency_mw.records import Claim
-from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import metadata
 
 BASE_URL = "http://testserver"
 SERVER_RETRY_AFTER = 7

@@ -38,8 +38,8 @@ from idempotency_mw.client import (
     journal_table,
     sync_url,
 )
-from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import metadata
 from tests.conftest import MARIADB_URL, POSTGRESQL_URL, REDIS_URL, require_server
 
 JOURNALS = ["sqlite-file", "sql-sqlite", "sql-postgresql", "sql-mariadb", "redis"]

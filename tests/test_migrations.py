@@ -26,9 +26,10 @@ from sqlalchemy import URL, Connection, create_engine, inspect, make_url, text
 from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from idempotency_mw.cli import alembic_config, main, upgrade
-from idempotency_mw.stores.schema import SCHEMA_REVISION, TABLE_NAME, metadata, records
+from idempotency_mw.cli import main
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.migrate import alembic_config, upgrade
+from idempotency_mw.stores.sql.schema import SCHEMA_REVISION, TABLE_NAME, metadata, records
 
 T = TypeVar("T")
 
@@ -509,12 +510,14 @@ def test_application_alembic_project_includes_the_packaged_revisions(
 # --- the wheel ----------------------------------------------------------------------------------
 
 
-def test_wheel_ships_the_migrations(built_wheel: Path) -> None:
+def test_wheel_ships_the_migrations_and_the_lua_scripts(built_wheel: Path) -> None:
     with zipfile.ZipFile(built_wheel) as archive:
         names = set(archive.namelist())
     assert "idempotency_mw/migrations/env.py" in names
     assert "idempotency_mw/migrations/versions/0001_idempotency_records.py" in names
-    assert "idempotency_mw/stores/schema.py" in names
+    assert "idempotency_mw/stores/sql/schema.py" in names
+    scripts = ("prelude", "claim", "renew", "complete", "release")
+    assert {f"idempotency_mw/stores/redis/lua/{name}.lua" for name in scripts} <= names
 
 
 def test_cli_from_the_wheel_migrates(built_wheel: Path, tmp_path: Path) -> None:

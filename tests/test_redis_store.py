@@ -14,7 +14,7 @@ import redis.asyncio
 from idempotency_mw.exceptions import ConfigurationError, StoreError
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.stores.base import Store
-from idempotency_mw.stores.redis import _CLAIM, RedisStore
+from idempotency_mw.stores.redis import RedisStore, scripts
 from tests.conftest import REDIS_URL, require_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.servers]
@@ -341,8 +341,8 @@ async def test_a_retried_script_call_keeps_its_outcome(store: RedisStore) -> Non
     # redis-py resends a command whose reply was lost; the same token must not lose its claim.
     redis_key = store.redis_key(SCOPE, "k")
     args: list[str | int] = ["fp", "token-1", 60_000, 30_000]
-    assert (await store._run(_CLAIM, redis_key, *args))[0] == b"acquired"
-    assert (await store._run(_CLAIM, redis_key, *args))[0] == b"acquired"
+    assert (await store._run("claim", scripts.CLAIM, redis_key, *args))[0] == b"acquired"
+    assert (await store._run("claim", scripts.CLAIM, redis_key, *args))[0] == b"acquired"
     assert await store.complete(SCOPE, "k", "token-1", RESPONSE, ttl=60)
     assert await store.complete(SCOPE, "k", "token-1", None, ttl=60)
     assert (await claim(store)).response == RESPONSE

@@ -14,17 +14,21 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from idempotency_mw.exceptions import StoreError
-from idempotency_mw.stores.redis import RedisStore, _plain_address
-from idempotency_mw.stores.resp import Address, PipelinedConnection, pack
+from idempotency_mw.stores.redis.resp import Address, PipelinedConnection, pack
+from idempotency_mw.stores.redis.store import RedisStore, _plain_address
 from tests.conftest import REDIS_URL, require_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.servers]
 
 
-def redis_address(db: int = 0, **login: str) -> Address:
+def redis_address(db: int | None = None, **login: str) -> Address:
+    """The test server's address; its database is the one REDIS_URL names unless ``db`` is given."""
     options = redis.asyncio.connection.parse_url(REDIS_URL)
     return Address(
-        host=options.get("host", "localhost"), port=options.get("port", 6379), db=db, **login
+        host=options.get("host", "localhost"),
+        port=options.get("port", 6379),
+        db=options.get("db", 0) if db is None else db,
+        **login,
     )
 
 

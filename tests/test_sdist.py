@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect
 
-from idempotency_mw.stores.schema import TABLE_NAME
+from idempotency_mw.stores.sql.schema import TABLE_NAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 300

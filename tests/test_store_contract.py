@@ -5,11 +5,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from typing import cast
 
 import anyio
 import pytest
 
-from idempotency_mw import ClaimOutcome, Store, StoredResponse
+from idempotency_mw import Claim, ClaimOutcome, Store, StoredResponse
+from idempotency_mw.records import new_token
+from idempotency_mw.stores.base import ClaimsWithToken
 
 pytestmark = pytest.mark.anyio
 
@@ -27,6 +30,33 @@ async def acquire(store: Store, key: str = "k", fingerprint: str = "f", **times:
     assert claim.outcome is ClaimOutcome.ACQUIRED
     assert claim.token
     return claim.token
+
+
+async def test_the_same_claim_delivered_twice_acquires_both_times(store: Store) -> None:
+    # A claim whose reply was lost is delivered again (by the driver, or by the store's own
+    # rerun of a dead pooled connection): it must not find itself in the way.
+    token = new_token()
+    seam = cast(ClaimsWithToken, store)
+    first = await seam._claim("", "k", "f", ttl=TTL, lease=LEASE, token=token)
+    again = await seam._claim("", "k", "f", ttl=TTL, lease=LEASE, token=token)
+    assert first == again == Claim(ClaimOutcome.ACQUIRED, token=token)
+    # Every other request still finds the key taken.
+    assert (await store.claim("", "k", "f", ttl=TTL, lease=LEASE)).outcome is (
+        ClaimOutcome.IN_PROGRESS
+    )
+    assert await store.complete("", "k", token, RESPONSE, ttl=TTL)
+    replay = await seam._claim("", "k", "f", ttl=TTL, lease=LEASE, token=token)
+    assert replay.outcome is ClaimOutcome.REPLAY
+
+
+async def test_complete_after_ttl_and_lease_both_passed_is_refused(store: Store) -> None:
+    # Nobody took the key over, but it counts as absent now: a late writer must not revive it.
+    token = await acquire(store, ttl=0.2, lease=0.2)
+    await anyio.sleep(0.4)
+    assert not await store.renew("", "k", token, lease=LEASE)
+    assert not await store.complete("", "k", token, RESPONSE, ttl=TTL)
+    assert not await store.release("", "k", token)
+    await acquire(store, fingerprint="any request may take the key")
 
 
 async def test_first_claim_acquires_and_repeat_is_in_progress(store: Store) -> None:

@@ -16,8 +16,8 @@ from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw.alembic import VERSION_TABLE
-from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import metadata
 
 
 def _not_a_primary_key_name_note(record: logging.LogRecord) -> bool:

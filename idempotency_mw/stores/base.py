@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Protocol, runtime_checkable
 
-from idempotency_mw.records import Claim, StoredResponse
+from idempotency_mw.records import Claim, StoredResponse, new_token
 
 
 @runtime_checkable
@@ -28,7 +29,12 @@ class Store(Protocol):
     Of any number of concurrent claims of one absent key, across processes, exactly one is
     ``ACQUIRED``. :meth:`renew`, :meth:`complete` and :meth:`release` act only while the token
     still owns the record and return whether they did, so a worker that lost its lease cannot
-    overwrite the record of the one that took over.
+    overwrite the record of the one that took over. Once both the lease and the TTL of an
+    in-progress record have passed, the record counts as absent even if nobody took it over:
+    they return ``False`` and change nothing, so a late writer never revives it.
+
+    Every step may reach the backend twice (a reply lost, the statement run again): a claim that
+    finds the record in progress under its own token answers ``ACQUIRED`` with that token again.
 
     Backend failures raise :class:`~idempotency_mw.exceptions.StoreError`.
     """
@@ -68,3 +74,23 @@ class Store(Protocol):
     async def aclose(self) -> None:
         """Release what the store opened itself; never what it was given."""
         ...
+
+
+class ClaimsWithToken(abc.ABC):
+    """A store whose :meth:`claim` is :meth:`_claim` with a fresh token.
+
+    ``_claim`` with a token already used is that claim delivered again: the contract suite calls
+    it twice to check that a store recognises its own token.
+    """
+
+    async def claim(
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
+    ) -> Claim:
+        """Claim ``key`` for a request whose hash is ``fingerprint`` (see :class:`Store`)."""
+        return await self._claim(scope, key, fingerprint, ttl=ttl, lease=lease, token=new_token())
+
+    @abc.abstractmethod
+    async def _claim(
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
+    ) -> Claim:
+        """:meth:`claim` with the request's ``token``."""

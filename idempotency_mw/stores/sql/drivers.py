@@ -2,7 +2,9 @@
 
 Every driver runs the same SQLAlchemy Core statements. The generic one goes through an
 ``AsyncEngine``; the fast ones compile each statement once with SQLAlchemy and hand the SQL
-straight to the driver: asyncpg for PostgreSQL, and the standard library's sqlite3 for SQLite.
+straight to the driver: asyncpg for PostgreSQL, asyncmy for MariaDB/MySQL, and the standard
+library's sqlite3 for a SQLite file. :func:`driver_for` chooses, by the rule its docstring
+states.
 """
 
 from __future__ import annotations
@@ -10,31 +12,70 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import math
 import sqlite3
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar, cast
 
 from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.dialects import mysql, postgresql, sqlite
-from sqlalchemy.engine import URL, Dialect
+from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import NullPool, StaticPool
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import Executable
 
+from idempotency_mw.exceptions import ConfigurationError
+
 T = TypeVar("T")
 Rows = Sequence[Sequence[Any]]
+#: When the store's operation under way must be over (``time.monotonic()``): set by SQLStore,
+#: so that a statement waiting for a lock in a thread gives up before its caller does.
+deadline: ContextVar[float] = ContextVar("idempotency_mw_deadline", default=math.inf)
 #: Commits between two WAL checkpoints, which the worker thread runs off the event loop.
 _CHECKPOINT_EVERY = 1000
+#: Without a deadline (a driver used outside SQLStore), the longest wait for a SQLite lock.
+_LONGEST_BUSY_WAIT = 30.0
+
+
+#: The async driver used for each backend when a URL names none (or a sync one).
+ASYNC_DRIVERS = {
+    "sqlite": "aiosqlite",
+    "postgresql": "asyncpg",
+    "mysql": "asyncmy",
+    "mariadb": "asyncmy",
+}
+_ASYNC_DRIVER_NAMES = {"aiosqlite", "asyncpg", "psycopg", "asyncmy", "aiomysql"}
+_IN_MEMORY = (None, "", ":memory:")
+
+
+def async_url(url: str | URL) -> URL:
+    """``url`` with an async driver: ``sqlite:///x.db`` becomes ``sqlite+aiosqlite:///x.db``."""
+    try:
+        parsed = make_url(url)
+    except SQLAlchemyError as exc:
+        raise ConfigurationError(f"not a database URL: {url!r}") from exc
+    backend = parsed.get_backend_name()
+    if backend not in ASYNC_DRIVERS:
+        raise ConfigurationError(
+            f"unsupported database {backend!r}: use SQLite, PostgreSQL or MariaDB/MySQL"
+        )
+    if "+" in parsed.drivername and parsed.get_driver_name() in _ASYNC_DRIVER_NAMES:
+        return parsed
+    return parsed.set(drivername=f"{backend}+{ASYNC_DRIVERS[backend]}")
 
 
 class Driver(Protocol):
     """What SQLStore needs from a database connection."""
 
     dialect_name: str
+    #: Where the driver connects (shown, without its password, in errors).
+    url: URL
     #: Exceptions that mean "the database failed" (wrapped into StoreError by the store).
     errors: tuple[type[Exception], ...]
 
@@ -75,6 +116,9 @@ class _CompileCache:
         self._dialect = dialect
         self._compiled: dict[int, tuple[Executable, _Compiled]] = {}
 
+    def __len__(self) -> int:
+        return len(self._compiled)
+
     def __call__(self, statement: Executable) -> _Compiled:
         # Keyed by identity: the store's statements are module-level and live forever; the
         # statement is kept in the entry so its id is never reused by another object.
@@ -96,6 +140,7 @@ class SQLAlchemyDriver:
 
     def __init__(self, engine: AsyncEngine, *, owned: bool, in_autocommit: bool = False) -> None:
         self.dialect_name = engine.dialect.name
+        self.url = engine.url
         # Some drivers raise their own errors past SQLAlchemy (while a connection is set up).
         self.errors = (SQLAlchemyError, engine.dialect.loaded_dbapi.Error)
         self._owned = owned
@@ -138,7 +183,7 @@ class _PooledDriver(abc.ABC):
 
     def __init__(self, url: URL, dialect: Dialect, dialect_name: str) -> None:
         self.dialect_name = dialect_name
-        self._url = url
+        self.url = url
         self._compile = _CompileCache(dialect)
         self._pool: Any = None
         self._opening = asyncio.Lock()
@@ -166,7 +211,7 @@ class _PooledDriver(abc.ABC):
     async def run_sync(self, operation: Callable[[Connection], T]) -> T:
         if self._engine is None:
             self._engine = create_async_engine(
-                self._url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
+                self.url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
             )
         async with self._engine.connect() as conn:
             return await conn.run_sync(operation)
@@ -191,7 +236,7 @@ class AsyncpgDriver(_PooledDriver):
     async def _open_pool(self) -> Any:
         import asyncpg
 
-        dsn = self._url.set(drivername="postgresql").render_as_string(False)
+        dsn = self.url.set(drivername="postgresql").render_as_string(False)
         # The store sets no session state, so returning a connection to the pool needs no
         # reset query (asyncpg's default costs a round trip each time).
         return await asyncpg.create_pool(dsn, min_size=1, max_size=10, reset=_keep_session)
@@ -268,27 +313,26 @@ class SQLiteDriver:
 
     Statements run on the event loop itself on a connection that never waits for a lock
     (busy timeout 0): tens of microseconds, less than one hop to a thread. When another
-    connection holds the write lock, the statement runs instead in one worker thread whose
-    connection waits for it. WAL checkpoints, which write to disk, also run in that thread.
+    connection holds the lock, the statement runs instead in one worker thread whose connection
+    waits for it, but only until the operation's :data:`deadline`: a statement that could not
+    run in time never runs later. Connections are opened, and WAL checkpoints run, in that
+    thread. The file's journal mode is left as it is unless ``wal`` asks for WAL (with
+    ``synchronous=NORMAL``).
     """
 
     errors: tuple[type[Exception], ...] = (sqlite3.Error, SQLAlchemyError)
 
-    def __init__(self, url: URL, *, busy_timeout: float = 30.0) -> None:
+    def __init__(self, url: URL, *, wal: bool = False) -> None:
         self.dialect_name = "sqlite"
+        self.url = url
         self._path = url.database or ""
         self._sync_url = url.set(drivername="sqlite+pysqlite")
-        self._busy_ms = int(busy_timeout * 1000)
+        self._wal = wal
         self._compile = _CompileCache(sqlite.pysqlite.dialect())
         self._loop_connection: sqlite3.Connection | None = None
         self._worker_connection: sqlite3.Connection | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._commits = 0
-
-    def _connect(self, busy_ms: int, checkpoints: bool) -> sqlite3.Connection:
-        connection = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
-        tune_sqlite(connection, busy_ms=busy_ms, checkpoints=checkpoints)
-        return connection
 
     @property
     def _worker(self) -> ThreadPoolExecutor:
@@ -296,31 +340,63 @@ class SQLiteDriver:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="idempotency-mw-sqlite")
         return self._executor
 
-    def _on_loop(self) -> sqlite3.Connection:
-        if self._loop_connection is None:
-            self._loop_connection = self._connect(0, checkpoints=False)
-        return self._loop_connection
+    async def _in_worker(self, operation: Callable[[float], T]) -> T:
+        """``operation(seconds left)`` in the worker thread, within the operation's deadline."""
+        ends = deadline.get()
 
-    def _in_worker(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Cursor:
+        def run() -> T:
+            return operation(ends - time.monotonic())
+
+        return await asyncio.get_running_loop().run_in_executor(self._worker, run)
+
+    def _connect(self, busy_seconds: float) -> sqlite3.Connection:
+        connection = sqlite3.connect(
+            self._path, timeout=0, isolation_level=None, check_same_thread=False
+        )
+        _busy_wait(connection, busy_seconds)
+        if self._wal:
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=NORMAL")
+        return connection
+
+    def _worker_execute(self, sql: str, args: tuple[Any, ...], seconds: float) -> sqlite3.Cursor:
         if self._worker_connection is None:
-            self._worker_connection = self._connect(self._busy_ms, checkpoints=True)
+            self._worker_connection = self._connect(seconds)
+        _busy_wait(self._worker_connection, seconds)
         return self._worker_connection.execute(sql, args)
+
+    async def _on_loop(self) -> sqlite3.Connection:
+        if self._loop_connection is None:
+
+            def connect(seconds: float) -> sqlite3.Connection:
+                connection = self._connect(seconds)
+                _busy_wait(connection, 0)
+                # Checkpoints write to disk: the worker thread runs them, never the event loop.
+                connection.execute("PRAGMA wal_autocheckpoint=0")
+                return connection
+
+            connection = await self._in_worker(connect)
+            if self._loop_connection is None:
+                self._loop_connection = connection
+            else:  # another call opened one meanwhile
+                connection.close()
+        return self._loop_connection
 
     async def _execute(self, statement: Executable, params: Mapping[str, Any]) -> Any:
         compiled = self._compile(statement)
         args = compiled.args(params)
         try:
-            cursor = self._on_loop().execute(compiled.sql, args)
+            cursor = (await self._on_loop()).execute(compiled.sql, args)
             return cursor.fetchall(), cursor.rowcount
         except sqlite3.OperationalError as exc:
             if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
                 raise
 
-        def run() -> tuple[Rows, int]:
-            cursor = self._in_worker(compiled.sql, args)
+        def run(seconds: float) -> tuple[Rows, int]:
+            cursor = self._worker_execute(compiled.sql, args, seconds)
             return cursor.fetchall(), cursor.rowcount
 
-        return await asyncio.get_running_loop().run_in_executor(self._worker, run)
+        return await self._in_worker(run)
 
     async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
         rows: Rows = (await self._execute(statement, params))[0]
@@ -336,19 +412,19 @@ class SQLiteDriver:
     def _checkpoint(self) -> None:
         # Failing means another connection is checkpointing; the next round catches up.
         with contextlib.suppress(sqlite3.Error):
-            self._in_worker("PRAGMA wal_checkpoint(PASSIVE)", ())
+            self._worker_execute("PRAGMA wal_checkpoint(PASSIVE)", (), 0)
 
     async def run_sync(self, operation: Callable[[Connection], T]) -> T:
-        def run() -> T:
+        def run(seconds: float) -> T:
             engine = create_engine(self._sync_url, poolclass=NullPool)
-            event.listen(engine, "connect", lambda conn, _: tune_sqlite(conn, self._busy_ms, True))
+            event.listen(engine, "connect", lambda conn, _: _busy_wait(conn, seconds))
             try:
                 with engine.begin() as conn:
                     return operation(conn)
             finally:
                 engine.dispose()
 
-        return await asyncio.get_running_loop().run_in_executor(self._worker, run)
+        return await self._in_worker(run)
 
     async def aclose(self) -> None:
         """Close both connections; the driver opens new ones if it is used again."""
@@ -365,6 +441,47 @@ class SQLiteDriver:
         if self._loop_connection is not None:
             self._loop_connection.close()
             self._loop_connection = None
+
+
+def _busy_wait(connection: Any, seconds: float) -> None:
+    """How long ``connection`` waits for another's lock before it fails (SQLITE_BUSY)."""
+    milliseconds = max(0, int(min(seconds, _LONGEST_BUSY_WAIT) * 1000))
+    connection.execute(f"PRAGMA busy_timeout={milliseconds}")
+
+
+def driver_for(database: str | URL | AsyncEngine, *, sqlite_wal: bool) -> Driver:
+    """The driver for ``database``: a given engine as it is; from a URL, the fastest safe one.
+
+    A SQLite file gets :class:`SQLiteDriver`, ``postgresql`` (or ``+asyncpg``)
+    :class:`AsyncpgDriver`, ``mysql``/``mariadb`` (or ``+asyncmy``) :class:`AsyncmyDriver`;
+    any other async driver named in the URL (psycopg, aiomysql, an in-memory SQLite) goes
+    through SQLAlchemy's engine.
+    """
+    url = None if isinstance(database, AsyncEngine) else async_url(database)
+    if url is not None and url.get_backend_name() == "sqlite" and url.database not in _IN_MEMORY:
+        return SQLiteDriver(url, wal=sqlite_wal)
+    if sqlite_wal:
+        raise ConfigurationError("sqlite_wal=True applies to a SQLite file URL only")
+    if url is None:
+        return SQLAlchemyDriver(cast(AsyncEngine, database), owned=False)
+    backend, driver = url.get_backend_name(), url.get_driver_name()
+    if backend == "postgresql" and driver == "asyncpg":
+        return AsyncpgDriver(url)
+    if backend in ("mysql", "mariadb") and driver == "asyncmy":
+        return AsyncmyDriver(url)
+    if backend == "sqlite":
+        # An in-memory SQLite database exists once per connection: keep one connection.
+        return SQLAlchemyDriver(create_async_engine(url, poolclass=StaticPool), owned=True)
+    # READ COMMITTED spares MariaDB/MySQL the gap locks that make concurrent purges deadlock.
+    # Pre-ping: a connection pooled before an outage is replaced, not handed out dead.
+    options: dict[str, Any] = {"pool_pre_ping": True}
+    if backend in ("mysql", "mariadb"):
+        options["connect_args"] = {"init_command": READ_COMMITTED}
+    return SQLAlchemyDriver(
+        create_async_engine(url, isolation_level="AUTOCOMMIT", **options),
+        owned=True,
+        in_autocommit=True,
+    )
 
 
 _ATTEMPTS = 3
@@ -406,14 +523,3 @@ def _mysql_error_code(exc: Exception) -> object:
 
 async def _keep_session(connection: Any) -> None:
     """A pool reset that does nothing."""
-
-
-def tune_sqlite(connection: Any, busy_ms: int, checkpoints: bool) -> None:
-    """WAL, so readers and one writer work at once across processes; a busy timeout."""
-    cursor = connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
-    if not checkpoints:
-        cursor.execute("PRAGMA wal_autocheckpoint=0")
-    cursor.close()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
@@ -15,7 +15,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
-from idempotency_mw.exceptions import ConfigurationError, StoreError, describe
+from idempotency_mw.exceptions import ConfigurationError, store_error
 from idempotency_mw.records import (
     Claim,
     ClaimOutcome,
@@ -24,117 +24,12 @@ from idempotency_mw.records import (
     pack_headers,
     unpack_headers,
 )
-from idempotency_mw.stores.resp import Address, Arg, PipelinedConnection
+from idempotency_mw.stores.base import ClaimsWithToken
+from idempotency_mw.stores.redis import scripts
+from idempotency_mw.stores.redis.resp import Address, Arg, PipelinedConnection
+from idempotency_mw.stores.redis.scripts import Script
 
 T = TypeVar("T")
-
-# Shared by every script. Server time keeps leases independent of worker clocks; TIME is
-# non-deterministic, so servers older than 5.0 must be told to replicate effects, not scripts.
-# string.format('%d') writes integers: Redis would otherwise format Lua numbers as floats.
-_PRELUDE = """
-if redis.replicate_commands then redis.replicate_commands() end
-local function now_ms()
-    local t = redis.call('TIME')
-    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function int(n) return string.format('%d', n) end
-"""
-
-
-class _Script:
-    """A Lua script and the SHA-1 by which Redis knows it once loaded."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-
-# KEYS[1] record; ARGV fingerprint, token, ttl ms, lease ms.
-# Returns {outcome} or {'replay', status, headers, body}.
-_CLAIM = _Script(
-    _PRELUDE
-    + """
-local key, fingerprint, token = KEYS[1], ARGV[1], ARGV[2]
-local ttl, lease = tonumber(ARGV[3]), tonumber(ARGV[4])
-local now = now_ms()
-local r = redis.call('HMGET', key, 'request_hash', 'status', 'token', 'lease_expires_at',
-    'expires_at')
-local hash, status = r[1], r[2]
--- The same call again (a client retry after a lost reply) still owns its fresh claim.
-if status == 'in_progress' and r[3] == token then return {'acquired'} end
-local take
-if not status then
-    take = true
-else
-    local lease_end, ttl_end = tonumber(r[4]) or 0, tonumber(r[5]) or 0
-    if status == 'in_progress' then
-        take = lease_end <= now and (hash == fingerprint or ttl_end <= now)
-    else
-        take = ttl_end <= now
-    end
-end
-if take then
-    redis.call('DEL', key)
-    redis.call('HSET', key, 'request_hash', fingerprint, 'status', 'in_progress',
-        'token', token, 'lease_expires_at', int(now + lease), 'expires_at', int(now + ttl))
-    redis.call('PEXPIRE', key, int(math.max(ttl, lease, 1)))
-    return {'acquired'}
-end
-if hash ~= fingerprint then return {'mismatch'} end
-if status == 'completed' then
-    local s = redis.call('HMGET', key, 'response_status', 'response_headers', 'result_payload')
-    return {'replay', s[1] or '0', s[2] or '', s[3] or ''}
-end
-if status == 'unreplayable' then return {'unreplayable'} end
-return {'in_progress'}
-"""
-)
-
-# KEYS[1] record; ARGV token, lease ms. Returns 1 if renewed.
-_RENEW = _Script(
-    _PRELUDE
-    + """
-local key, token, lease = KEYS[1], ARGV[1], tonumber(ARGV[2])
-local r = redis.call('HMGET', key, 'status', 'token', 'expires_at')
-if r[1] ~= 'in_progress' or r[2] ~= token then return 0 end
-local now = now_ms()
-local lease_end = now + lease
-redis.call('HSET', key, 'lease_expires_at', int(lease_end))
--- While in progress the key outlives both the lease and the TTL.
-redis.call('PEXPIRE', key, int(math.max((tonumber(r[3]) or 0) - now, lease, 1)))
-return 1
-"""
-)
-
-# KEYS[1] record; ARGV token, ttl ms, status, [response status, packed headers, body].
-# Returns 1 if recorded.
-_COMPLETE = _Script(
-    _PRELUDE
-    + """
-local key, token, ttl, status = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local r = redis.call('HMGET', key, 'status', 'token')
-if r[2] ~= token then return 0 end
--- Only this token's own earlier call (a client retry after a lost reply) can have settled it.
-if r[1] ~= 'in_progress' then return 1 end
-local now = now_ms()
-redis.call('HSET', key, 'status', status, 'lease_expires_at', int(now),
-    'expires_at', int(now + ttl))
-if status == 'completed' then
-    redis.call('HSET', key, 'response_status', ARGV[4], 'response_headers', ARGV[5],
-        'result_payload', ARGV[6])
-end
-redis.call('PEXPIRE', key, int(ttl))
-return 1
-"""
-)
-
-# KEYS[1] record; ARGV token. Returns 1 if deleted.
-_RELEASE = _Script("""
-local r = redis.call('HMGET', KEYS[1], 'status', 'token')
-if r[1] ~= 'in_progress' or r[2] ~= ARGV[1] then return 0 end
-return redis.call('DEL', KEYS[1])
-""")
-_SCRIPTS = (_CLAIM, _RENEW, _COMPLETE, _RELEASE)
 
 
 Client = TypeVar("Client", redis.Redis, redis.asyncio.Redis)
@@ -167,7 +62,7 @@ def _ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
 
-class RedisStore:
+class RedisStore(ClaimsWithToken):
     """Idempotency records in Redis, one hash per record.
 
     Give either ``url`` or ``client``. From a ``redis://`` or ``unix://`` URL (host, port,
@@ -205,10 +100,15 @@ class RedisStore:
         )
         self._client = client
         self._prefix = prefix
+        self._timeout = socket_timeout
+        self._where = _masked(url) if url is not None else _address_of(client)
         address = None if url is None else _plain_address(url)
         self._pipe = (
             None if address is None else PipelinedConnection(address, timeout=socket_timeout)
         )
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self._where})"
 
     @property
     def client(self) -> redis.asyncio.Redis:
@@ -229,12 +129,17 @@ class RedisStore:
             digest.update(encoded)
         return f"{self._prefix}{{{digest.hexdigest()}}}"
 
-    async def claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
+    async def _claim(
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
     ) -> Claim:
-        token = os.urandom(16).hex()
         reply = await self._run(
-            _CLAIM, self.redis_key(scope, key), fingerprint, token, _ms(ttl), _ms(lease)
+            "claim",
+            scripts.CLAIM,
+            self.redis_key(scope, key),
+            fingerprint,
+            token,
+            _ms(ttl),
+            _ms(lease),
         )
         outcome = ClaimOutcome(_text(reply[0]))
         if outcome is ClaimOutcome.ACQUIRED:
@@ -246,7 +151,9 @@ class RedisStore:
         return Claim(outcome)
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
-        return bool(await self._run(_RENEW, self.redis_key(scope, key), token, _ms(lease)))
+        return bool(
+            await self._run("renew", scripts.RENEW, self.redis_key(scope, key), token, _ms(lease))
+        )
 
     async def complete(
         self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
@@ -261,10 +168,12 @@ class RedisStore:
                 pack_headers(response.headers),
                 response.body,
             ]
-        return bool(await self._run(_COMPLETE, self.redis_key(scope, key), *args))
+        return bool(
+            await self._run("complete", scripts.COMPLETE, self.redis_key(scope, key), *args)
+        )
 
     async def release(self, scope: str, key: str, token: str) -> bool:
-        return bool(await self._run(_RELEASE, self.redis_key(scope, key), token))
+        return bool(await self._run("release", scripts.RELEASE, self.redis_key(scope, key), token))
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
         """Nothing to do: Redis deletes records when their TTL ends."""
@@ -275,18 +184,18 @@ class RedisStore:
 
         async def check() -> None:
             await self._execute("PING")
-            for script in _SCRIPTS:
+            for script in scripts.ALL:
                 await self._execute("SCRIPT", "LOAD", script.source)
 
-        await self._call(check)
+        await self._call("startup check", check)
 
     async def aclose(self) -> None:
         if self._pipe is not None:
             await self._pipe.aclose()
         if self._owns_client:
-            await self._call(self._client.aclose)
+            await self._call("close", self._client.aclose)
 
-    async def _run(self, script: _Script, redis_key: str, *args: Arg) -> Any:
+    async def _run(self, operation: str, script: Script, redis_key: str, *args: Arg) -> Any:
         """Run ``script`` on one key; EVALSHA, or EVAL (which loads it) when Redis lacks it."""
 
         async def run() -> Any:
@@ -295,18 +204,18 @@ class RedisStore:
             except NoScriptError:
                 return await self._execute("EVAL", script.source, 1, redis_key, *args)
 
-        return await self._call(run)
+        return await self._call(operation, run)
 
     def _execute(self, *args: Arg) -> Awaitable[Any]:
         if self._pipe is not None:
             return self._pipe.execute(*args)
         return self._client.execute_command(*args)  # type: ignore[no-untyped-call]
 
-    async def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
+    async def _call(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
         try:
-            return await operation()
+            return await call()
         except (RedisError, OSError, TimeoutError) as exc:
-            raise StoreError(describe(exc)) from exc
+            raise store_error(operation, repr(self), exc, self._timeout) from exc
 
 
 def _plain_address(url: str) -> Address | None:
@@ -318,6 +227,24 @@ def _plain_address(url: str) -> Address | None:
     if not plain or not set(options) <= {"host", "port", "path", "db", "username", "password"}:
         return None
     return Address(**options)
+
+
+def _masked(url: str) -> str:
+    """``url`` without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    login = f"{parts.username or ''}:***@"
+    return urlunsplit(parts._replace(netloc=login + parts.netloc.rpartition("@")[2]))
+
+
+def _address_of(client: redis.asyncio.Redis) -> str:
+    """Where a given client connects, as a URL without login."""
+    options = client.connection_pool.connection_kwargs
+    if "path" in options:
+        return f"unix://{options['path']}?db={options.get('db', 0)}"
+    host, port = options.get("host", "localhost"), options.get("port", 6379)
+    return f"redis://{host}:{port}/{options.get('db', 0)}"
 
 
 def _text(value: bytes | str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import (
     BigInteger,
     Column,
+    Connection,
     Index,
     Integer,
     LargeBinary,
@@ -12,8 +13,11 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     String,
     Table,
+    inspect,
 )
 from sqlalchemy.dialects import mysql
+
+from idempotency_mw.exceptions import SchemaError
 
 TABLE_NAME = "idempotency_records"
 #: The Alembic revision that creates the table as this module describes it.
@@ -51,3 +55,21 @@ records = Table(
     PrimaryKeyConstraint("scope", "key"),
     Index(None, "expires_at"),
 )
+
+MIGRATE_HINT = (
+    "run `idempotency-mw migrate --url <database url>`, or `alembic upgrade idempotency_mw@head` "
+    "in an Alembic project that includes this package's revisions"
+)
+
+
+def check_schema(conn: Connection) -> None:
+    """Raise :class:`SchemaError` unless the table exists with every column of this version."""
+    inspector = inspect(conn)
+    if not inspector.has_table(TABLE_NAME):
+        raise SchemaError(f"the table {TABLE_NAME!r} does not exist: {MIGRATE_HINT}")
+    present = {column["name"] for column in inspector.get_columns(TABLE_NAME)}
+    missing = sorted(set(records.c.keys()) - present)
+    if missing:
+        raise SchemaError(
+            f"the table {TABLE_NAME!r} lacks columns {missing}, it is out of date: {MIGRATE_HINT}"
+        )

@@ -1,0 +1,16 @@
+-- KEYS[1] record; ARGV token, ttl ms, status, [response status, packed headers, body].
+-- Returns 1 if recorded.
+local key, token, ttl, status = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local r = redis.call('HMGET', key, 'status', 'token')
+if r[2] ~= token then return 0 end
+-- Only this token's own earlier call (a client retry after a lost reply) can have settled it.
+if r[1] ~= 'in_progress' then return 1 end
+local now = now_ms()
+redis.call('HSET', key, 'status', status, 'lease_expires_at', int(now),
+    'expires_at', int(now + ttl))
+if status == 'completed' then
+    redis.call('HSET', key, 'response_status', ARGV[4], 'response_headers', ARGV[5],
+        'result_payload', ARGV[6])
+end
+redis.call('PEXPIRE', key, int(ttl))
+return 1

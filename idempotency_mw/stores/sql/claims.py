@@ -1,0 +1,166 @@
+"""How each dialect claims a key: one class per dialect, each with the SQL it sends.
+
+Every class answers one attempt at a claim: the record a read found live (it decides the
+outcome without a write, so a replay is one statement), or whether this request took the key
+with one atomic upsert. Of concurrent requests that all found the key free, the upsert's
+condition, checked on the latest committed row, lets exactly one take it. A record in progress
+under the request's own token (the same claim delivered twice) is read as the request's own.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import cast, exists, func, null, select
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.sql.expression import Executable
+
+from idempotency_mw.stores.sql.drivers import Driver
+from idempotency_mw.stores.sql.schema import records
+from idempotency_mw.stores.sql.statements import (
+    CAN_TAKE_OVER,
+    KEY_COLUMNS,
+    NEW_RECORD,
+    READ,
+    WINNER,
+)
+
+Row = Sequence[Any]
+
+
+class ClaimSQL(abc.ABC):
+    """One dialect's claim."""
+
+    @abc.abstractmethod
+    async def attempt(self, driver: Driver, params: dict[str, Any]) -> tuple[Row | None, bool]:
+        """The row of ``READ`` of a live record found (else ``None``), and whether the request
+        took the key."""
+
+
+def _upsert_returning(dialect: Any, rows: Any = None) -> Any:
+    """INSERT (the new record, or ``rows``) ON CONFLICT DO UPDATE ... WHERE ... RETURNING."""
+    insert = dialect.insert(records)
+    insert = insert.values(NEW_RECORD) if rows is None else insert.from_select(NEW_RECORD, rows)
+    return insert.on_conflict_do_update(
+        index_elements=[records.c.scope, records.c.key],
+        set_={name: insert.excluded[name] for name in NEW_RECORD if name not in KEY_COLUMNS},
+        where=CAN_TAKE_OVER,
+    ).returning(records.c.token)
+
+
+async def _read_live(driver: Driver, params: dict[str, Any]) -> Row | None:
+    """The record of the key if it is live (its outcome needs no write), else ``None``."""
+    rows = await driver.fetch(READ, params)
+    return rows[0] if rows and not rows[0][-1] else None
+
+
+class SQLiteClaim(ClaimSQL):
+    """SQLite: a read, and only when it finds no live record, an upsert::
+
+        SELECT request_hash, status, ..., status = 'in_progress' AND token = :token AS mine,
+               <expired, or the same request's lease lapsed> AS free
+          FROM idempotency_records WHERE scope = :scope AND key = :key;
+        INSERT INTO idempotency_records (...) VALUES (..., :token, now, now + :lease, ...)
+          ON CONFLICT (scope, key) DO UPDATE SET ... = excluded....
+          WHERE <expired, or the same request's lease lapsed>
+          RETURNING token;
+
+    The request took the key when the returned token is its own.
+    """
+
+    def __init__(self) -> None:
+        self._upsert = _upsert_returning(sqlite)
+
+    async def attempt(self, driver: Driver, params: dict[str, Any]) -> tuple[Row | None, bool]:
+        live = await _read_live(driver, params)
+        if live is not None:
+            return live, False
+        rows = await driver.fetch(self._upsert, params)
+        return None, bool(rows) and rows[0][0] == params["p_token"]
+
+
+class PostgreSQLClaim(ClaimSQL):
+    """PostgreSQL: the read and, when it finds no live record, the upsert, in one statement::
+
+        WITH existing AS (SELECT request_hash, ..., mine, free FROM idempotency_records
+                          WHERE scope = :scope AND key = :key),
+             taken AS (INSERT INTO idempotency_records (...)
+                       SELECT :scope, :key, ... WHERE NOT EXISTS
+                           (SELECT free FROM existing WHERE NOT free)
+                       ON CONFLICT (scope, key) DO UPDATE SET ... = excluded....
+                       WHERE <expired, or the same request's lease lapsed>
+                       RETURNING token)
+        SELECT (SELECT request_hash FROM existing), ..., (SELECT token FROM taken);
+
+    Both parts see one snapshot; the upsert's WHERE still decides on the latest committed row.
+    """
+
+    def __init__(self) -> None:
+        existing = READ.cte("existing")
+        new_record = select(
+            *(
+                cast(null() if value is None else value, records.c[name].type).label(name)
+                for name, value in NEW_RECORD.items()
+            )
+        ).where(~exists(select(existing.c.free).where(~existing.c.free)))
+        taken = _upsert_returning(postgresql, new_record).cte("taken")
+        self._statement: Executable = select(
+            *(select(column).scalar_subquery() for column in existing.c),
+            select(taken.c.token).scalar_subquery(),
+        )
+
+    async def attempt(self, driver: Driver, params: dict[str, Any]) -> tuple[Row | None, bool]:
+        *read, token = (await driver.fetch(self._statement, params))[0]
+        return (read if read[0] is not None else None), token == params["p_token"]
+
+
+class MySQLClaim(ClaimSQL):
+    """MariaDB/MySQL: a read, and only when it finds no live record, an upsert and a read of
+    the winner::
+
+        SELECT request_hash, ..., mine, free FROM idempotency_records
+          WHERE scope = :scope AND key = :key;
+        INSERT INTO idempotency_records (...) VALUES (..., :token, ...)
+          ON DUPLICATE KEY UPDATE
+            token = IF(<expired, or the same request's lease lapsed>, VALUES(token), token),
+            request_hash = IF(token = VALUES(token), VALUES(request_hash), request_hash), ...;
+        SELECT token FROM idempotency_records WHERE scope = :scope AND key = :key;
+
+    MySQL has no WHERE on ON DUPLICATE KEY UPDATE and applies assignments left to right: the
+    token is decided first, and every other column follows whether the token changed. No
+    transaction is needed: a record that holds this request's fresh token is this request's
+    (only the token's owner can release it, and no one can take it over while its lease runs).
+    """
+
+    def __init__(self) -> None:
+        insert = mysql.insert(records).values(NEW_RECORD)
+        new = insert.inserted
+        assignments: list[tuple[str, Any]] = [
+            ("token", func.IF(CAN_TAKE_OVER, new.token, records.c.token))
+        ]
+        assignments += [
+            (name, func.IF(records.c.token == new.token, new[name], records.c[name]))
+            for name in NEW_RECORD
+            if name not in (*KEY_COLUMNS, "token")
+        ]
+        self._upsert = insert.on_duplicate_key_update(assignments)
+
+    async def attempt(self, driver: Driver, params: dict[str, Any]) -> tuple[Row | None, bool]:
+        live = await _read_live(driver, params)
+        if live is not None:
+            return live, False
+        await driver.change(self._upsert, params)
+        rows = await driver.fetch(WINNER, params)
+        return None, bool(rows) and rows[0][0] == params["p_token"]
+
+
+_MYSQL = MySQLClaim()
+#: Each dialect's claim, built once (so its statements are compiled once per connection).
+CLAIMS: dict[str, ClaimSQL] = {
+    "sqlite": SQLiteClaim(),
+    "postgresql": PostgreSQLClaim(),
+    "mysql": _MYSQL,
+    "mariadb": _MYSQL,
+}

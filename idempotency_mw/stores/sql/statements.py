@@ -1,0 +1,151 @@
+"""The statements every dialect shares: reading a record, and renewing, settling, purging it.
+
+Statements are built once, with bound parameters, so each is compiled only once. Times come
+from the database server's clock, in milliseconds since the Unix epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import and_, bindparam, delete, not_, or_, select, tuple_, update
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import ClauseElement, Delete, Executable, FunctionElement
+from sqlalchemy.types import BigInteger, Integer
+
+from idempotency_mw.records import RecordStatus
+from idempotency_mw.stores.sql.schema import records
+
+
+class _NowMs(FunctionElement[int]):
+    """The database server's clock, in milliseconds since the Unix epoch."""
+
+    type = BigInteger()
+    inherit_cache = True
+
+
+@compiles(_NowMs, "sqlite")
+def _now_sqlite(element: _NowMs, compiler: SQLCompiler, **kw: Any) -> str:
+    return "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)"
+
+
+@compiles(_NowMs, "postgresql")
+def _now_postgresql(element: _NowMs, compiler: SQLCompiler, **kw: Any) -> str:
+    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
+
+
+@compiles(_NowMs, "mysql")
+@compiles(_NowMs, "mariadb")
+def _now_mysql(element: _NowMs, compiler: SQLCompiler, **kw: Any) -> str:
+    return "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
+
+
+NOW = _NowMs()
+IN_PROGRESS = RecordStatus.IN_PROGRESS.value
+KEY_COLUMNS = ("scope", "key")
+KEY_IS = and_(records.c.scope == bindparam("p_scope"), records.c.key == bindparam("p_key"))
+#: In progress under this request's token.
+MINE = and_(records.c.status == IN_PROGRESS, records.c.token == bindparam("p_token"))
+#: Past its TTL and not held by a live lease: as good as absent.
+EXPIRED = and_(
+    records.c.expires_at <= NOW,
+    or_(records.c.status != IN_PROGRESS, records.c.lease_expires_at <= NOW),
+)
+#: Still in progress under this token, and not yet as good as absent.
+OWNED = and_(KEY_IS, MINE, not_(EXPIRED))
+#: Expired (any request may take it), or the same request's lease lapsed.
+CAN_TAKE_OVER = or_(
+    EXPIRED,
+    and_(
+        records.c.status == IN_PROGRESS,
+        records.c.lease_expires_at <= NOW,
+        records.c.request_hash == bindparam("p_fingerprint"),
+    ),
+)
+#: The columns of a record just claimed.
+NEW_RECORD: dict[str, Any] = {
+    "scope": bindparam("p_scope"),
+    "key": bindparam("p_key"),
+    "request_hash": bindparam("p_fingerprint"),
+    "status": IN_PROGRESS,
+    "token": bindparam("p_token"),
+    "created_at": NOW,
+    "lease_expires_at": NOW + bindparam("p_lease_ms", type_=BigInteger),
+    "expires_at": NOW + bindparam("p_ttl_ms", type_=BigInteger),
+    "response_status": None,
+    "response_headers": None,
+    "result_payload": None,
+}
+#: A key's record as a claim reads it; ``free`` last: whether the claim may take it.
+READ = select(
+    records.c.request_hash,
+    records.c.status,
+    records.c.response_status,
+    records.c.response_headers,
+    records.c.result_payload,
+    MINE.label("mine"),
+    CAN_TAKE_OVER.label("free"),
+).where(KEY_IS)
+WINNER = select(records.c.token).where(KEY_IS)
+RENEW = (
+    update(records)
+    .where(OWNED)
+    .values(lease_expires_at=NOW + bindparam("p_lease_ms", type_=BigInteger))
+)
+COMPLETE = (
+    update(records)
+    .where(OWNED)
+    .values(
+        status=bindparam("p_status"),
+        response_status=bindparam("p_response_status"),
+        response_headers=bindparam("p_response_headers"),
+        result_payload=bindparam("p_result_payload"),
+        lease_expires_at=NOW,
+        expires_at=NOW + bindparam("p_ttl_ms", type_=BigInteger),
+    )
+)
+RELEASE = delete(records).where(OWNED)
+
+_BATCH = bindparam("p_batch_size", type_=Integer)
+#: At most ``p_batch_size`` expired records, oldest first. SKIP LOCKED lets concurrent purgers
+#: and claims pass each other on PostgreSQL instead of waiting or deadlocking; SQLite, one
+#: writer at a time, ignores it.
+PURGE_OLDEST = delete(records).where(
+    tuple_(records.c.scope, records.c.key).in_(
+        select(records.c.scope, records.c.key)
+        .where(EXPIRED)
+        .order_by(records.c.expires_at)
+        .limit(_BATCH)
+        .with_for_update(skip_locked=True)
+    )
+)
+
+
+class _DeleteLimit(Executable, ClauseElement):
+    """``DELETE ... LIMIT :p_batch_size``: MariaDB takes no LIMIT in an IN subquery.
+
+    SQLAlchemy's own ``mysql_limit`` writes the number into the SQL, so every batch size would
+    be a statement of its own; the MySQL drivers fill in a bound LIMIT like any parameter.
+    """
+
+    inherit_cache = True
+
+    def __init__(self, statement: Delete) -> None:
+        self.statement = statement
+
+
+@compiles(_DeleteLimit)
+def _compile_delete_limit(element: _DeleteLimit, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"{compiler.process(element.statement, **kw)} LIMIT {compiler.process(_BATCH, **kw)}"
+
+
+#: At most ``p_batch_size`` expired records, in no order (MariaDB/MySQL).
+PURGE_LIMITED = _DeleteLimit(delete(records).where(EXPIRED))
+#: Each dialect's purge, run with ``p_batch_size``.
+PURGES: dict[str, Executable] = {
+    "sqlite": PURGE_OLDEST,
+    "postgresql": PURGE_OLDEST,
+    "mysql": PURGE_LIMITED,
+    "mariadb": PURGE_LIMITED,
+}

@@ -1,0 +1,182 @@
+"""SQLStore: idempotency records in a SQL table (SQLite, PostgreSQL, MariaDB/MySQL)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from idempotency_mw.exceptions import StoreError, store_error
+from idempotency_mw.records import (
+    Claim,
+    ClaimOutcome,
+    RecordStatus,
+    StoredResponse,
+    pack_headers,
+    unpack_headers,
+)
+from idempotency_mw.stores.base import ClaimsWithToken
+from idempotency_mw.stores.sql.claims import CLAIMS
+from idempotency_mw.stores.sql.drivers import deadline, driver_for
+from idempotency_mw.stores.sql.schema import check_schema
+from idempotency_mw.stores.sql.statements import COMPLETE, PURGES, RELEASE, RENEW
+
+T = TypeVar("T")
+#: The share of the operation timeout a statement may spend in a thread waiting for a lock.
+_THREAD_SHARE = 0.9
+
+
+class SQLStore(ClaimsWithToken):
+    """Idempotency records in the ``idempotency_records`` table of a SQL database.
+
+    ``database`` is a SQLAlchemy URL (with or without an async driver name) or an
+    :class:`~sqlalchemy.ext.asyncio.AsyncEngine`, which the store never disposes. From a URL the
+    store picks the fastest safe driver: asyncpg for PostgreSQL, asyncmy for MariaDB/MySQL, the
+    standard library's sqlite3 for a SQLite file, and SQLAlchemy's async engine otherwise.
+    ``operation_timeout`` bounds every database call (seconds). A SQLite file keeps its journal
+    mode unless ``sqlite_wal=True`` switches it to WAL with ``synchronous=NORMAL``: readers and a
+    writer of several processes no longer wait for each other, and a power cut can lose the
+    latest commits (never corrupt the file).
+    """
+
+    def __init__(
+        self,
+        database: str | URL | AsyncEngine,
+        *,
+        operation_timeout: float = 10.0,
+        sqlite_wal: bool = False,
+    ) -> None:
+        self._driver = driver_for(database, sqlite_wal=sqlite_wal)
+        self._operation_timeout = operation_timeout
+        self._errors: tuple[type[Exception], ...] = (
+            *self._driver.errors,
+            OSError,
+            TimeoutError,
+        )
+        self._claim_sql = CLAIMS[self._driver.dialect_name]
+        self._purge = PURGES[self._driver.dialect_name]
+
+    def __repr__(self) -> str:
+        return f"SQLStore({self._driver.url.render_as_string(hide_password=True)})"
+
+    async def _claim(
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
+    ) -> Claim:
+        params = {
+            **_record_of(scope, key),
+            "p_fingerprint": fingerprint,
+            "p_token": token,
+            "p_ttl_ms": int(ttl * 1000),
+            "p_lease_ms": int(lease * 1000),
+        }
+        # A record the read finds live decides the outcome without a write (a replay is one
+        # statement). Otherwise the atomic upsert decides; if another request won it in between,
+        # the next attempt reads that request's record.
+        for _ in range(3):
+            live, taken = await self._call("claim", self._claim_sql.attempt(self._driver, params))
+            if taken:
+                return Claim(ClaimOutcome.ACQUIRED, token=token)
+            existing = _outcome_of(live, fingerprint, token)
+            if existing is not None:
+                return existing
+        raise StoreError(f"claim on {self!r} failed: the record kept changing while it was claimed")
+
+    async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
+        params = {**_record_of(scope, key), "p_token": token, "p_lease_ms": int(lease * 1000)}
+        return await self._call("renew", self._driver.change(RENEW, params)) == 1
+
+    async def complete(
+        self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
+    ) -> bool:
+        params: dict[str, Any] = {
+            **_record_of(scope, key),
+            "p_token": token,
+            "p_ttl_ms": int(ttl * 1000),
+            "p_status": RecordStatus.UNREPLAYABLE.value,
+            "p_response_status": None,
+            "p_response_headers": None,
+            "p_result_payload": None,
+        }
+        if response is not None:
+            params |= {
+                "p_status": RecordStatus.COMPLETED.value,
+                "p_response_status": response.status,
+                "p_response_headers": pack_headers(response.headers),
+                "p_result_payload": response.body,
+            }
+        return await self._call("complete", self._driver.change(COMPLETE, params)) == 1
+
+    async def release(self, scope: str, key: str, token: str) -> bool:
+        params = {**_record_of(scope, key), "p_token": token}
+        return await self._call("release", self._driver.change(RELEASE, params)) == 1
+
+    async def purge_expired(self, *, batch_size: int) -> int | None:
+        params = {"p_batch_size": batch_size}
+        return await self._call("purge", self._driver.change(self._purge, params))
+
+    async def startup(self) -> None:
+        await self._call("startup check", self._driver.run_sync(check_schema))
+
+    async def aclose(self) -> None:
+        await self._driver.aclose()
+
+    async def _call(self, operation: str, call: Awaitable[T]) -> T:
+        """Await a driver call within the operation timeout; its failures become StoreError."""
+        # Work the driver hands to a thread must give up before the caller stops waiting: a
+        # statement that ran after the request was answered 503 would hold the key for nothing.
+        ends = deadline.set(time.monotonic() + self._operation_timeout * _THREAD_SHARE)
+        try:
+            async with asyncio.timeout(self._operation_timeout):
+                return await call
+        except self._errors as exc:
+            raise store_error(operation, repr(self), exc, self._operation_timeout) from exc
+        finally:
+            deadline.reset(ends)
+
+
+_DIGEST = "sha256:"
+
+
+def stored_name(name: str) -> str:
+    """``name`` as the table stores it: verbatim, or as its digest when it may not be.
+
+    A name that does not fit the column, or ends with a space (MariaDB/MySQL collations ignore
+    trailing spaces, so 'k' and 'k ' would be one record), or looks like a digest, is stored
+    as its own digest: no two names ever share a record.
+    """
+    if len(name) <= 255 and not name.endswith(" ") and not name.startswith(_DIGEST):
+        return name
+    return _DIGEST + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _record_of(scope: str, key: str) -> dict[str, str]:
+    return {"p_scope": stored_name(scope), "p_key": stored_name(key)}
+
+
+def _outcome_of(row: Sequence[Any] | None, fingerprint: str, token: str) -> Claim | None:
+    """The outcome a live record decides (a row of ``_READ``), or ``None`` if the key is free.
+
+    A record in progress under ``token`` is this request's own: its claim was delivered before.
+    """
+    if row is None:
+        return None
+    request_hash, status, response_status, response_headers, result_payload, mine, free = row
+    if free:
+        return None
+    if mine:
+        return Claim(ClaimOutcome.ACQUIRED, token=token)
+    if request_hash != fingerprint:
+        return Claim(ClaimOutcome.MISMATCH)
+    if status == RecordStatus.COMPLETED.value:
+        response = StoredResponse(
+            response_status, unpack_headers(response_headers), bytes(result_payload)
+        )
+        return Claim(ClaimOutcome.REPLAY, response=response)
+    if status == RecordStatus.UNREPLAYABLE.value:
+        return Claim(ClaimOutcome.UNREPLAYABLE)
+    return Claim(ClaimOutcome.IN_PROGRESS)

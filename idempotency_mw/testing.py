@@ -1,0 +1,145 @@
+"""Helpers for tests: :class:`MemoryStore`, a store that needs no server."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from idempotency_mw.records import Claim, ClaimOutcome, RecordStatus, StoredResponse
+from idempotency_mw.stores.base import ClaimsWithToken
+
+__all__ = ["MemoryStore"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    fingerprint: str
+    status: RecordStatus
+    token: str
+    lease_ends: float
+    expires: float
+    response: StoredResponse | None = None
+
+    def expired(self, now: float) -> bool:
+        """Past its TTL and not held by a live lease: as good as absent."""
+        return self.expires <= now and (
+            self.status is not RecordStatus.IN_PROGRESS or self.lease_ends <= now
+        )
+
+    def owned_by(self, token: str, now: float) -> bool:
+        return (
+            self.status is RecordStatus.IN_PROGRESS
+            and self.token == token
+            and not self.expired(now)
+        )
+
+
+class MemoryStore(ClaimsWithToken):
+    """Idempotency records in a dict of this process, with the full :class:`Store` contract.
+
+    For tests, yours and the middleware's own: no server, no table. Records live as long as the
+    store object and are seen only by the process that holds it, so it is not for production.
+    ``clock`` gives the time in seconds (``time.time`` as it was when the store was made); pass
+    your own to move leases and TTLs forward in a test without sleeping.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._records: dict[tuple[str, str], _Record] = {}
+        # Every method runs without awaiting, so it is atomic within one event loop; the lock
+        # covers apps tested from several threads (each with its own loop).
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """How many records the store holds, expired ones included until they are purged."""
+        return len(self._records)
+
+    async def _claim(
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
+    ) -> Claim:
+        with self._lock:
+            now = self._clock()
+            record = self._records.get((scope, key))
+            if record is not None and record.owned_by(token, now):
+                return Claim(ClaimOutcome.ACQUIRED, token=token)
+            if (
+                record is None
+                or record.expired(now)
+                or (
+                    record.status is RecordStatus.IN_PROGRESS
+                    and record.lease_ends <= now
+                    and record.fingerprint == fingerprint
+                )
+            ):
+                self._records[scope, key] = _Record(
+                    fingerprint, RecordStatus.IN_PROGRESS, token, now + lease, now + ttl
+                )
+                return Claim(ClaimOutcome.ACQUIRED, token=token)
+            if record.fingerprint != fingerprint:
+                return Claim(ClaimOutcome.MISMATCH)
+            if record.status is RecordStatus.COMPLETED:
+                return Claim(ClaimOutcome.REPLAY, response=record.response)
+            if record.status is RecordStatus.UNREPLAYABLE:
+                return Claim(ClaimOutcome.UNREPLAYABLE)
+            return Claim(ClaimOutcome.IN_PROGRESS)
+
+    async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
+        return self._change(
+            scope,
+            key,
+            token,
+            lambda record, now: dataclasses.replace(record, lease_ends=now + lease),
+        )
+
+    async def complete(
+        self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
+    ) -> bool:
+        status = RecordStatus.UNREPLAYABLE if response is None else RecordStatus.COMPLETED
+        return self._change(
+            scope,
+            key,
+            token,
+            lambda record, now: dataclasses.replace(
+                record, status=status, response=response, lease_ends=now, expires=now + ttl
+            ),
+        )
+
+    async def release(self, scope: str, key: str, token: str) -> bool:
+        return self._change(scope, key, token, lambda record, now: None)
+
+    async def purge_expired(self, *, batch_size: int) -> int | None:
+        with self._lock:
+            now = self._clock()
+            expired = [name for name, record in self._records.items() if record.expired(now)]
+            for name in expired[:batch_size]:
+                del self._records[name]
+            return min(len(expired), batch_size)
+
+    async def startup(self) -> None:
+        """Nothing to check."""
+
+    async def aclose(self) -> None:
+        """Nothing to close: the records stay for the next use."""
+
+    def _change(
+        self,
+        scope: str,
+        key: str,
+        token: str,
+        change: Callable[[_Record, float], _Record | None],
+    ) -> bool:
+        """Apply ``change`` to the record ``token`` owns (``None`` deletes it); whether it did."""
+        with self._lock:
+            now = self._clock()
+            record = self._records.get((scope, key))
+            if record is None or not record.owned_by(token, now):
+                return False
+            changed = change(record, now)
+            if changed is None:
+                del self._records[scope, key]
+            else:
+                self._records[scope, key] = changed
+            return True

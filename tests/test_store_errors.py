@@ -1,0 +1,98 @@
+"""What a user sees of the stores' packaging and failures: lazy imports, one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+
+from idempotency_mw import RedisStore, SQLStore, Store, StoreError
+
+pytestmark = pytest.mark.anyio
+
+
+def python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_importing_the_package_loads_no_backend_library() -> None:
+    result = python(
+        "import sys, idempotency_mw, idempotency_mw.exceptions, idempotency_mw.testing\n"
+        "loaded = {m.partition('.')[0] for m in sys.modules}\n"
+        "print(sorted(loaded & {'sqlalchemy', 'alembic', 'redis', 'asyncpg', 'asyncmy'}))"
+    )
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+@pytest.mark.parametrize(
+    ("store", "missing", "extra"),
+    [("SQLStore", "sqlalchemy", "sql"), ("RedisStore", "redis", "redis")],
+)
+def test_a_store_without_its_extra_names_the_install_command(
+    store: str, missing: str, extra: str
+) -> None:
+    result = python(
+        f"import sys; sys.modules[{missing!r}] = None\nfrom idempotency_mw import {store}"
+    )
+    assert result.returncode == 1
+    assert f"ImportError: {store} needs {missing}: pip install 'idempotency-mw[{extra}]'" in (
+        result.stderr
+    )
+
+
+@pytest.fixture
+async def silent_port() -> AsyncIterator[int]:
+    """A TCP port whose server accepts connections and never answers."""
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+
+
+async def failure_of(store: Store, operation: str) -> str:
+    """The message of the StoreError that ``operation`` on ``store`` raises."""
+    calls = {
+        "claim": lambda: store.claim("s", "k", "f", ttl=60, lease=60),
+        "renew": lambda: store.renew("s", "k", "t" * 32, lease=60),
+        "release": lambda: store.release("s", "k", "t" * 32),
+    }
+    try:
+        with pytest.raises(StoreError) as caught:
+            await calls[operation]()
+    finally:
+        await store.aclose()
+    return str(caught.value)
+
+
+async def test_a_store_error_names_the_operation_the_store_and_the_cause() -> None:
+    message = await failure_of(SQLStore("postgresql://app:secret@127.0.0.1:1/db"), "claim")
+    assert message.startswith(
+        "claim on SQLStore(postgresql+asyncpg://app:***@127.0.0.1:1/db) failed: "
+    )
+    assert "refused" in message.lower()
+    message = await failure_of(SQLStore("mysql://root@127.0.0.1:1/db"), "release")
+    assert message.startswith("release on SQLStore(mysql+asyncmy://root@127.0.0.1:1/db) failed: ")
+    assert "2003" in message  # can't connect to the server
+
+
+async def test_a_timeout_says_how_long_the_store_waited(silent_port: int) -> None:
+    url = f"postgresql://app@127.0.0.1:{silent_port}/db"
+    message = await failure_of(SQLStore(url, operation_timeout=0.3), "renew")
+    assert message == (
+        f"renew on SQLStore(postgresql+asyncpg://app@127.0.0.1:{silent_port}/db) "
+        "failed: no answer within 0.3 s"
+    )
+    message = await failure_of(
+        RedisStore(f"redis://:secret@127.0.0.1:{silent_port}/0", socket_timeout=0.3), "claim"
+    )
+    assert message.startswith(f"claim on RedisStore(redis://:***@127.0.0.1:{silent_port}/0) ")
+    assert message.endswith("within 0.3 s")
