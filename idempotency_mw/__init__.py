@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from idempotency_mw._version import __version__
 from idempotency_mw.cleanup import PurgeSchedule
-from idempotency_mw.exceptions import ConfigurationError, IdempotencyError, SchemaError, StoreError
+from idempotency_mw.exceptions import (
+    ConfigurationError,
+    IdempotencyError,
+    LeaseLost,
+    SchemaError,
+    StoreError,
+)
+from idempotency_mw.fence import fence, fence_sync
 from idempotency_mw.lifespan import store_lifespan
 from idempotency_mw.middleware import IdempotencyMiddleware, install
 from idempotency_mw.policy import RouteOptions, idempotent
@@ -29,6 +36,7 @@ __all__ = [
     "ConfigurationError",
     "IdempotencyError",
     "IdempotencyMiddleware",
+    "LeaseLost",
     "PurgeSchedule",
     "RedisStore",
     "RouteOptions",
@@ -38,6 +46,8 @@ __all__ = [
     "StoreError",
     "StoredResponse",
     "__version__",
+    "fence",
+    "fence_sync",
     "idempotent",
     "install",
     "store_lifespan",

@@ -18,6 +18,11 @@ class StoreError(IdempotencyError):
     """
 
 
+class LeaseLost(IdempotencyError):
+    """The request's claim on its key is no longer the live one (another request took it over):
+    raised by :func:`~idempotency_mw.fence` so that the application's transaction rolls back."""
+
+
 class SchemaError(StoreError):
     """The idempotency table is missing or older than this version of the library expects."""
 

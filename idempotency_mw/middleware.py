@@ -27,8 +27,9 @@ from idempotency_mw._asgi import (
     send_replay,
 )
 from idempotency_mw.cleanup import PurgeSchedule
-from idempotency_mw.exceptions import ConfigurationError, StoreError
-from idempotency_mw.fingerprint import canonical_json, request_fingerprint
+from idempotency_mw.exceptions import ConfigurationError, LeaseLost, StoreError
+from idempotency_mw.fence import CurrentClaim, current_claim
+from idempotency_mw.fingerprint import canonical_json, credential_digest, request_fingerprint
 from idempotency_mw.lifespan import run_lifespan, store_lifespan
 from idempotency_mw.metrics import Event, EventHook, EventKind, guard, key_hash
 from idempotency_mw.openapi import document_openapi
@@ -88,6 +89,8 @@ class Options:
     header_name: str
     routes: RouteTable
     caller_scope: CallerScope | None
+    credential_headers: tuple[str, ...]
+    credential_cookies: tuple[str, ...]
     fingerprint_headers: tuple[str, ...]
     max_request_bytes: int
     max_response_bytes: int
@@ -141,6 +144,8 @@ class IdempotencyMiddleware:
         header_name: str = "Idempotency-Key",
         routes: Mapping[str, RouteOptions] | None = None,
         scope: CallerScope | None = None,
+        credential_headers: Iterable[str] = ("authorization",),
+        credential_cookies: Iterable[str] = (),
         fingerprint_headers: Iterable[str] = (),
         max_request_bytes: int = 1 << 20,
         max_response_bytes: int = 1 << 20,
@@ -184,6 +189,8 @@ class IdempotencyMiddleware:
             header_name=header_name,
             routes=RouteTable(routes),
             caller_scope=scope,
+            credential_headers=tuple(sorted({name.lower() for name in credential_headers})),
+            credential_cookies=tuple(sorted(set(credential_cookies))),
             fingerprint_headers=tuple(sorted({name.lower() for name in fingerprint_headers})),
             max_request_bytes=max_request_bytes,
             max_response_bytes=max_response_bytes,
@@ -392,6 +399,7 @@ class _Exchange:
             ],
             body_hashed,
         )
+        binding = self._binding()
         # A duplicate that finds the key in progress waits up to settings.wait for its outcome:
         # woken at once by a request of this worker that settles the key, else polling with
         # backoff (holding no connection in between).
@@ -403,7 +411,12 @@ class _Exchange:
                 claim = await self.call_store(
                     "claim",
                     lambda: self.store.claim(
-                        self.caller, self.key, fingerprint, ttl=settings.ttl, lease=settings.lease
+                        self.caller,
+                        self.key,
+                        fingerprint,
+                        ttl=settings.ttl,
+                        lease=settings.lease,
+                        binding=binding,
                     ),
                 )
                 if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:
@@ -457,6 +470,45 @@ class _Exchange:
                     409,
                     "This key's request ran, but its response could not be recorded for replay.",
                 )
+            case ClaimOutcome.CREDENTIAL_MISMATCH:
+                await self._problem(
+                    Problem.CREDENTIAL_MISMATCH,
+                    409,
+                    "This key was used by a request with other credentials; its outcome is "
+                    "theirs. Use a new key, or the credentials of the first request.",
+                )
+            case ClaimOutcome.COMMITTED_WITHOUT_RESPONSE:
+                await self._problem(
+                    Problem.COMMITTED_WITHOUT_RESPONSE,
+                    409,
+                    "This key's request took effect, but its response is not available; do not "
+                    "send it again.",
+                )
+
+    def _binding(self) -> str:
+        """A digest of the caller's credentials, which the record is bound to.
+
+        Without a ``scope`` option a record is bound by checking: the same key sent with other
+        credentials never gets this record. With ``scope``, the scope alone decides.
+        """
+        options = self.options
+        if options.caller_scope is not None:
+            return ""
+        values = [
+            (name, value)
+            for name in options.credential_headers
+            for value in self.headers.getlist(name)
+        ]
+        if options.credential_cookies:
+            cookies = HTTPConnection(self.scope).cookies
+            values += [
+                (f"cookie:{name}", cookies[name])
+                for name in options.credential_cookies
+                if name in cookies
+            ]
+        if not values:
+            return ""
+        return credential_digest(values)
 
     async def _caller_scope(self) -> str | None:
         """The namespace of this request's keys, from the ``scope`` option ('' without one).
@@ -545,9 +597,21 @@ class _Exchange:
         )
         with anyio.CancelScope() as handler:
             lease.watch(handler, recorder)
+            claim = current_claim.set(CurrentClaim(self.store, self.caller, self.key, lease.token))
             try:
                 await self.app(self.scope, ReplayReceive(body, self.receive), recorder.send)
+            except LeaseLost:
+                if recorder.status is not None:
+                    raise
+                # The handler's transaction rolled back: another request holds the key now.
+                await self._problem(
+                    Problem.IN_PROGRESS,
+                    409,
+                    "Another request with this key took over; retry later.",
+                    retry=True,
+                )
             finally:
+                current_claim.reset(claim)
                 lease.stop()
                 # Settled already when the response ended; otherwise the app failed or stopped.
                 if not lease.lost:
@@ -626,6 +690,8 @@ _OUTCOME_EVENTS = {
     ClaimOutcome.IN_PROGRESS: EventKind.IN_PROGRESS,
     ClaimOutcome.MISMATCH: EventKind.MISMATCH,
     ClaimOutcome.UNREPLAYABLE: EventKind.NOT_REPLAYABLE,
+    ClaimOutcome.CREDENTIAL_MISMATCH: EventKind.CREDENTIAL_MISMATCH,
+    ClaimOutcome.COMMITTED_WITHOUT_RESPONSE: EventKind.COMMITTED_WITHOUT_RESPONSE,
 }
 
 

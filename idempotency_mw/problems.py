@@ -24,6 +24,14 @@ class Problem(enum.Enum):
     STORE_UNAVAILABLE = ("store-unavailable", "Idempotency store unavailable")
     LEASE_LOST = ("lease-lost", "Request stopped: its Idempotency-Key could no longer be held")
     SCOPE_FAILED = ("scope-failed", "The caller's scope could not be determined")
+    CREDENTIAL_MISMATCH = (
+        "credential-mismatch",
+        "Idempotency-Key belongs to a request sent with other credentials",
+    )
+    COMMITTED_WITHOUT_RESPONSE = (
+        "committed-without-response",
+        "The request took effect, but its response is not available",
+    )
 
     @property
     def type_uri(self) -> str:

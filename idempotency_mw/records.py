@@ -14,6 +14,8 @@ class RecordStatus(enum.StrEnum):
     COMPLETED = "completed"
     #: The handler ran but its response exceeded the size limit, so it cannot be replayed.
     UNREPLAYABLE = "unreplayable"
+    #: The handler's effect was committed (``fence``), but it gave no response worth recording.
+    COMMITTED = "committed"
 
 
 class ClaimOutcome(enum.Enum):
@@ -24,6 +26,10 @@ class ClaimOutcome(enum.Enum):
     IN_PROGRESS = "in_progress"
     MISMATCH = "mismatch"
     UNREPLAYABLE = "unreplayable"
+    #: The record is bound to other credentials: never replayed to this caller, never re-run.
+    CREDENTIAL_MISMATCH = "credential_mismatch"
+    #: The effect was committed (``fence``) but no response is available.
+    COMMITTED_WITHOUT_RESPONSE = "committed_without_response"
 
 
 @dataclass(frozen=True, slots=True)

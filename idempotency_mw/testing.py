@@ -22,6 +22,7 @@ class _Record:
     lease_ends: float
     expires: float
     response: StoredResponse | None = None
+    binding: str = ""
 
     def expired(self, now: float) -> bool:
         """Past its TTL and not held by a live lease: as good as absent."""
@@ -58,7 +59,15 @@ class MemoryStore(ClaimsWithToken):
         return len(self._records)
 
     async def _claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        *,
+        ttl: float,
+        lease: float,
+        token: str,
+        binding: str = "",
     ) -> Claim:
         with self._lock:
             now = self._clock()
@@ -72,12 +81,20 @@ class MemoryStore(ClaimsWithToken):
                     record.status is RecordStatus.IN_PROGRESS
                     and record.lease_ends <= now
                     and record.fingerprint == fingerprint
+                    and record.binding == binding
                 )
             ):
                 self._records[scope, key] = _Record(
-                    fingerprint, RecordStatus.IN_PROGRESS, token, now + lease, now + ttl
+                    fingerprint,
+                    RecordStatus.IN_PROGRESS,
+                    token,
+                    now + lease,
+                    now + ttl,
+                    binding=binding,
                 )
                 return Claim(ClaimOutcome.ACQUIRED, token=token)
+            if record.binding != binding:
+                return Claim(ClaimOutcome.CREDENTIAL_MISMATCH)
             if record.fingerprint != fingerprint:
                 return Claim(ClaimOutcome.MISMATCH)
             if record.status is RecordStatus.COMPLETED:

@@ -125,7 +125,9 @@ async def redis_client() -> AsyncIterator[redis.asyncio.Redis]:
     await client.aclose()
 
 
-STORES = [*DATABASES, "redis", "memory"]
+#: The stores that keep records outside the process (what the operator's CLI can open).
+PERSISTENT_STORES = [*DATABASES, "redis"]
+STORES = [*PERSISTENT_STORES, "memory"]
 
 
 @pytest.fixture(params=STORES)

@@ -27,9 +27,9 @@ from idempotency_mw.cli import main
 from idempotency_mw.records import ClaimOutcome
 from tests.conftest import (
     MARIADB_URL,
+    PERSISTENT_STORES,
     REDIS_URL,
     SERVER_DATABASES,
-    STORES,
     fresh_sql_store,
     require_server,
 )
@@ -63,7 +63,7 @@ class Target:
         return code, json.loads(out)
 
 
-@pytest.fixture(params=STORES)
+@pytest.fixture(params=PERSISTENT_STORES)
 async def target(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Target]:
     name: str = request.param
     if name == "redis":

@@ -18,11 +18,16 @@ class Store(Protocol):
 
     Contract of :meth:`claim` for a record that is:
 
-    - absent, expired (past its TTL and not in progress), or in progress with a lapsed lease and
-      the same fingerprint: taken over, a fresh token issued: ``ACQUIRED``. An in-progress record
-      whose lease lapsed and whose TTL also ended is taken over whatever its fingerprint;
+    - absent, expired (past its TTL and not in progress), or in progress with a lapsed lease,
+      the same fingerprint and binding, and no committed effect: taken over, a fresh token
+      issued: ``ACQUIRED``. An in-progress record whose lease lapsed and whose TTL also ended is
+      taken over whatever it holds;
+    - present with another ``binding`` (a digest of the caller's credentials; ``""`` for none):
+      ``CREDENTIAL_MISMATCH``, before anything else is compared;
     - present with another fingerprint: ``MISMATCH``;
     - in progress within its lease: ``IN_PROGRESS``;
+    - in progress with its effect committed (a fenced commit) and its lease lapsed, or settled
+      as committed without a response: ``COMMITTED_WITHOUT_RESPONSE``;
     - completed: ``REPLAY`` with the stored response;
     - completed without a replayable response: ``UNREPLAYABLE``.
 
@@ -40,7 +45,14 @@ class Store(Protocol):
     """
 
     async def claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        *,
+        ttl: float,
+        lease: float,
+        binding: str = "",
     ) -> Claim:
         """Claim ``key`` for a request whose hash is ``fingerprint`` (times in seconds)."""
         ...
@@ -56,7 +68,11 @@ class Store(Protocol):
         ...
 
     async def release(self, scope: str, key: str, token: str) -> bool:
-        """Forget an in-progress claim so that a retry runs the request again."""
+        """Forget an in-progress claim so that a retry runs the request again.
+
+        A record whose effect was committed is never forgotten: it is settled as committed
+        without a response instead.
+        """
         ...
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
@@ -84,13 +100,30 @@ class ClaimsWithToken(abc.ABC):
     """
 
     async def claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        *,
+        ttl: float,
+        lease: float,
+        binding: str = "",
     ) -> Claim:
         """Claim ``key`` for a request whose hash is ``fingerprint`` (see :class:`Store`)."""
-        return await self._claim(scope, key, fingerprint, ttl=ttl, lease=lease, token=new_token())
+        return await self._claim(
+            scope, key, fingerprint, ttl=ttl, lease=lease, token=new_token(), binding=binding
+        )
 
     @abc.abstractmethod
     async def _claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        *,
+        ttl: float,
+        lease: float,
+        token: str,
+        binding: str = "",
     ) -> Claim:
         """:meth:`claim` with the request's ``token``."""

@@ -130,7 +130,15 @@ class RedisStore(ClaimsWithToken):
         return f"{self._prefix}{{{digest.hexdigest()}}}"
 
     async def _claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        *,
+        ttl: float,
+        lease: float,
+        token: str,
+        binding: str = "",
     ) -> Claim:
         reply = await self._run(
             "claim",
@@ -140,6 +148,7 @@ class RedisStore(ClaimsWithToken):
             token,
             _ms(ttl),
             _ms(lease),
+            binding,
         )
         outcome = ClaimOutcome(_text(reply[0]))
         if outcome is ClaimOutcome.ACQUIRED:

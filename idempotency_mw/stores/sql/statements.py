@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, not_, or_, select, tuple_, update
+from sqlalchemy import and_, bindparam, delete, func, not_, or_, select, tuple_, update
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import ClauseElement, Delete, Executable, FunctionElement
@@ -54,13 +54,18 @@ EXPIRED = and_(
 )
 #: Still in progress under this token, and not yet as good as absent.
 OWNED = and_(KEY_IS, MINE, not_(EXPIRED))
-#: Expired (any request may take it), or the same request's lease lapsed.
+#: The credentials the record is bound to ('' for none; rows from revision 0001 hold NULL).
+BINDING = func.coalesce(records.c.caller_binding, "")
+#: Expired (any request may take it), or the same request's lease lapsed before it committed
+#: an effect.
 CAN_TAKE_OVER = or_(
     EXPIRED,
     and_(
         records.c.status == IN_PROGRESS,
         records.c.lease_expires_at <= NOW,
         records.c.request_hash == bindparam("p_fingerprint"),
+        bindparam("p_binding") == BINDING,
+        records.c.committed_at.is_(None),
     ),
 )
 #: The columns of a record just claimed.
@@ -76,6 +81,8 @@ NEW_RECORD: dict[str, Any] = {
     "response_status": None,
     "response_headers": None,
     "result_payload": None,
+    "caller_binding": bindparam("p_binding"),
+    "committed_at": None,
 }
 #: A key's record as a claim reads it; ``free`` last: whether the claim may take it.
 READ = select(
@@ -84,6 +91,8 @@ READ = select(
     records.c.response_status,
     records.c.response_headers,
     records.c.result_payload,
+    BINDING.label("binding"),
+    and_(records.c.committed_at.is_not(None), records.c.lease_expires_at <= NOW).label("orphaned"),
     MINE.label("mine"),
     CAN_TAKE_OVER.label("free"),
 ).where(KEY_IS)
@@ -105,7 +114,17 @@ COMPLETE = (
         expires_at=NOW + bindparam("p_ttl_ms", type_=BigInteger),
     )
 )
-RELEASE = delete(records).where(OWNED)
+#: A claim given up before its effect was committed: gone, so a retry runs.
+RELEASE = delete(records).where(OWNED, records.c.committed_at.is_(None))
+#: A claim given up after its effect was committed: it never runs again.
+RELEASE_COMMITTED = (
+    update(records)
+    .where(OWNED, records.c.committed_at.is_not(None))
+    .values(status=RecordStatus.COMMITTED.value, lease_expires_at=NOW)
+)
+#: A fenced commit: inside the application's own transaction, this request's claim (still in
+#: progress under its token) marks its effect as committed.
+FENCE = update(records).where(KEY_IS, MINE).values(committed_at=NOW)
 
 _BATCH = bindparam("p_batch_size", type_=Integer)
 #: At most ``p_batch_size`` expired records, oldest first. SKIP LOCKED lets concurrent purgers

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.sql.expression import Executable
 
 from idempotency_mw.exceptions import StoreError, store_error
 from idempotency_mw.records import (
@@ -24,7 +25,14 @@ from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.stores.sql.claims import CLAIMS
 from idempotency_mw.stores.sql.drivers import deadline, driver_for
 from idempotency_mw.stores.sql.schema import check_schema
-from idempotency_mw.stores.sql.statements import COMPLETE, PURGES, RELEASE, RENEW
+from idempotency_mw.stores.sql.statements import (
+    COMPLETE,
+    FENCE,
+    PURGES,
+    RELEASE,
+    RELEASE_COMMITTED,
+    RENEW,
+)
 
 T = TypeVar("T")
 #: The share of the operation timeout a statement may spend in a thread waiting for a lock.
@@ -65,11 +73,20 @@ class SQLStore(ClaimsWithToken):
         return f"SQLStore({self._driver.url.render_as_string(hide_password=True)})"
 
     async def _claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, token: str
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        *,
+        ttl: float,
+        lease: float,
+        token: str,
+        binding: str = "",
     ) -> Claim:
         params = {
             **_record_of(scope, key),
             "p_fingerprint": fingerprint,
+            "p_binding": binding,
             "p_token": token,
             "p_ttl_ms": int(ttl * 1000),
             "p_lease_ms": int(lease * 1000),
@@ -81,7 +98,7 @@ class SQLStore(ClaimsWithToken):
             live, taken = await self._call("claim", self._claim_sql.attempt(self._driver, params))
             if taken:
                 return Claim(ClaimOutcome.ACQUIRED, token=token)
-            existing = _outcome_of(live, fingerprint, token)
+            existing = _outcome_of(live, fingerprint, token, binding)
             if existing is not None:
                 return existing
         raise StoreError(f"claim on {self!r} failed: the record kept changing while it was claimed")
@@ -113,7 +130,23 @@ class SQLStore(ClaimsWithToken):
 
     async def release(self, scope: str, key: str, token: str) -> bool:
         params = {**_record_of(scope, key), "p_token": token}
-        return await self._call("release", self._driver.change(RELEASE, params)) == 1
+        if await self._call("release", self._driver.change(RELEASE, params)) == 1:
+            return True
+        # Still here: its effect was committed (or it is not this token's any more).
+        return await self._call("release", self._driver.change(RELEASE_COMMITTED, params)) == 1
+
+    def fence_statement(
+        self, scope: str, key: str, token: str
+    ) -> tuple[Executable, dict[str, Any]]:
+        """The statement (and its parameters) that marks a claim's effect committed, to run in
+        the application's own transaction; it changes one row while the token still holds the
+        claim, none otherwise."""
+        return FENCE, {**_record_of(scope, key), "p_token": token}
+
+    @property
+    def url(self) -> URL:
+        """The database's URL (with its password), to compare with an application's engine."""
+        return self._driver.url
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
         params = {"p_batch_size": batch_size}
@@ -158,20 +191,36 @@ def _record_of(scope: str, key: str) -> dict[str, str]:
     return {"p_scope": stored_name(scope), "p_key": stored_name(key)}
 
 
-def _outcome_of(row: Sequence[Any] | None, fingerprint: str, token: str) -> Claim | None:
-    """The outcome a live record decides (a row of ``_READ``), or ``None`` if the key is free.
+def _outcome_of(
+    row: Sequence[Any] | None, fingerprint: str, token: str, binding: str
+) -> Claim | None:
+    """The outcome a live record decides (a row of ``READ``), or ``None`` if the key is free.
 
     A record in progress under ``token`` is this request's own: its claim was delivered before.
     """
     if row is None:
         return None
-    request_hash, status, response_status, response_headers, result_payload, mine, free = row
+    (
+        request_hash,
+        status,
+        response_status,
+        response_headers,
+        result_payload,
+        bound_to,
+        orphaned,
+        mine,
+        free,
+    ) = row
     if free:
         return None
     if mine:
         return Claim(ClaimOutcome.ACQUIRED, token=token)
+    if bound_to != binding:
+        return Claim(ClaimOutcome.CREDENTIAL_MISMATCH)
     if request_hash != fingerprint:
         return Claim(ClaimOutcome.MISMATCH)
+    if orphaned or status == RecordStatus.COMMITTED.value:
+        return Claim(ClaimOutcome.COMMITTED_WITHOUT_RESPONSE)
     if status == RecordStatus.COMPLETED.value:
         response = StoredResponse(
             response_status, unpack_headers(response_headers), bytes(result_payload)
