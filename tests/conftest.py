@@ -155,9 +155,10 @@ def _new_server(server_class: type[S]) -> S:
         _missing(f"no {server_class.__name__}: {exc}")
 
 
-@pytest.fixture
-def own_postgresql() -> Iterator[PostgreSQLServer]:
-    """A PostgreSQL server of the test's own, running; ``idempotency-mw migrate`` made its table."""
+@pytest.fixture(scope="session")
+def migrated_postgresql_data() -> Iterator[Path]:
+    """The data folder of a stopped PostgreSQL cluster, its table made by ``idempotency-mw
+    migrate``: what each :func:`own_postgresql` starts from."""
     with _new_server(PostgreSQLServer) as server:
         subprocess.run(
             [sys.executable, "-m", "idempotency_mw.cli", "migrate", "--url", server.url],
@@ -165,6 +166,14 @@ def own_postgresql() -> Iterator[PostgreSQLServer]:
             capture_output=True,
             timeout=60,
         )
+        server.stop()
+        yield server.data
+
+
+@pytest.fixture
+def own_postgresql(migrated_postgresql_data: Path) -> Iterator[PostgreSQLServer]:
+    """A PostgreSQL server of the test's own, running, with the idempotency table."""
+    with PostgreSQLServer(template=migrated_postgresql_data) as server:
         yield server
 
 

@@ -466,11 +466,15 @@ def _as_owner(user: str) -> dict[str, Any]:
 
 
 class PostgreSQLServer(StoreServer):
-    """A PostgreSQL cluster of the test's own (``initdb``, ``pg_ctl``), user ``postgres``, trust."""
+    """A PostgreSQL cluster of the test's own (``initdb``, ``pg_ctl``), user ``postgres``, trust.
+
+    With ``template`` (the ``data`` folder of another, stopped, server of this class), the
+    cluster starts as a copy of that one, which is faster than ``initdb``.
+    """
 
     USER = "postgres"
 
-    def __init__(self) -> None:
+    def __init__(self, template: Path | None = None) -> None:
         versions = sorted(
             Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"),
             key=lambda path: int(path.parent.parent.name),
@@ -483,10 +487,18 @@ class PostgreSQLServer(StoreServer):
         try:
             if os.geteuid() == 0:
                 shutil.chown(self.folder, self.USER, self.USER)
-            self._run(
-                *("initdb", "-D", self.data, "-U", self.USER),
-                *("-A", "trust", "-E", "UTF8", "--no-sync"),
-            )
+            if template is None:
+                self._run(
+                    *("initdb", "-D", self.data, "-U", self.USER),
+                    *("-A", "trust", "-E", "UTF8", "--no-sync"),
+                )
+            else:
+                subprocess.run(
+                    ["cp", "-a", str(template), str(self.data)],
+                    check=True,
+                    capture_output=True,
+                    **_as_owner(self.USER),
+                )
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
             raise

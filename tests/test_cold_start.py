@@ -8,6 +8,7 @@ table fails start-up, with the hint to migrate.
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -32,8 +33,12 @@ pytestmark = [pytest.mark.anyio, pytest.mark.servers]
 WORKERS = 2
 
 
-async def pid_answering(client: httpx.AsyncClient) -> int:
-    response = await client.get("/health")
+async def pid_answering(service: ServerProcess, client: httpx.AsyncClient) -> int:
+    """The pid of the worker that answers ``GET /health``; fails when none answers."""
+    try:
+        response = await client.get("/health", timeout=2)
+    except httpx.TimeoutException as exc:
+        raise AssertionError(f"the service stopped answering:\n{service.output()}") from exc
     assert response.status_code == 200, response.text
     return int(response.json()["pid"])
 
@@ -59,18 +64,21 @@ async def test_a_service_starts_and_replaces_workers_while_its_store_is_down(
             await eventually(lambda: len(service.worker_pids()) == WORKERS)
             first_workers = service.worker_pids()
             killed = await anyio.to_thread.run_sync(service.kill_worker)
-            await pid_answering(client)
+            await pid_answering(service, client)
             await eventually(
                 lambda: len(service.worker_pids() - first_workers) == 1 or not service.alive(),
                 within=15,
             )
             assert service.alive(), f"uvicorn stopped:\n{service.output()}"
             (replacement,) = service.worker_pids() - first_workers
+            deadline = time.monotonic() + 15
+            while await pid_answering(service, client) != replacement:
+                assert service.alive(), f"uvicorn stopped:\n{service.output()}"
+                assert time.monotonic() < deadline, (
+                    f"the new worker never answered:\n{service.output()}"
+                )
+                await anyio.sleep(0.05)
             assert service.worker_pids() == first_workers - {killed} | {replacement}
-            answered: set[int] = set()
-            while replacement not in answered:
-                assert len(answered) < 100, f"worker {replacement} never answered"
-                answered.add(await pid_answering(client))
 
             # The store comes back (PostgreSQL with its table): keyed requests run once, on
             # each worker, and are replayed.
