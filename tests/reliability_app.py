@@ -181,6 +181,7 @@ def create_app(
     async def health() -> dict[str, int]:
         return {"pid": os.getpid()}
 
+    # A POST that needs no key: it never waits for the store.
     @app.post("/ping")
     async def ping() -> dict[str, int]:
         return {"pid": os.getpid()}
