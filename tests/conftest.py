@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import pytest
 import redis.asyncio
@@ -21,7 +24,10 @@ from idempotency_mw import RedisStore, SQLStore, Store
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import metadata
 from idempotency_mw.testing import MemoryStore
+from tests.faults import PostgreSQLServer, RedisServer, StoreServer
 from tests.scratch import scratch_database
+
+S = TypeVar("S", bound=StoreServer)
 
 REQUIRE_SERVERS = os.environ.get("IDEMPOTENCY_REQUIRE_SERVERS") == "1"
 
@@ -43,10 +49,13 @@ def require_server(url: str) -> None:
     try:
         socket.create_connection((host or "127.0.0.1", port or 0), timeout=2).close()
     except OSError:
-        message = f"no server at {host}:{port}"
-        if REQUIRE_SERVERS:
-            pytest.fail(message + " (IDEMPOTENCY_REQUIRE_SERVERS=1)")
-        pytest.skip(message)
+        _missing(f"no server at {host}:{port}")
+
+
+def _missing(message: str) -> NoReturn:
+    if REQUIRE_SERVERS:
+        pytest.fail(message + " (IDEMPOTENCY_REQUIRE_SERVERS=1)")
+    pytest.skip(message)
 
 
 @pytest.fixture(scope="session")
@@ -154,3 +163,50 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     made = await fresh_sql_store(url)
     yield made
     await made.aclose()
+
+
+# ---------------------------------------------------------------- store servers of the test's own
+
+
+def _new_server(server_class: type[S]) -> S:
+    """A server of ``server_class``, not started; skips (or, in CI, fails) without its programs."""
+    try:
+        return server_class()
+    except FileNotFoundError as exc:
+        _missing(f"no {server_class.__name__}: {exc}")
+
+
+@pytest.fixture(scope="session")
+def migrated_postgresql_data() -> Iterator[Path]:
+    """The data folder of a stopped PostgreSQL cluster, its table made by ``idempotency-mw
+    migrate``: what each :func:`own_postgresql` starts from."""
+    with _new_server(PostgreSQLServer) as server:
+        subprocess.run(
+            [sys.executable, "-m", "idempotency_mw.cli", "migrate", "--url", server.url],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        server.stop()
+        yield server.data
+
+
+@pytest.fixture
+def own_postgresql(migrated_postgresql_data: Path) -> Iterator[PostgreSQLServer]:
+    """A PostgreSQL server of the test's own, running, with the idempotency table."""
+    with PostgreSQLServer(template=migrated_postgresql_data) as server:
+        yield server
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis server of the test's own, running, empty."""
+    with _new_server(RedisServer) as server:
+        yield server
+
+
+@pytest.fixture(params=["postgresql", "redis"])
+def own_store(request: pytest.FixtureRequest) -> StoreServer:
+    """A PostgreSQL and a Redis server of the test's own, which it may pause, stop and start."""
+    server: StoreServer = request.getfixturevalue(f"own_{request.param}")
+    return server

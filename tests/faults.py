@@ -6,15 +6,22 @@ test cuts it (every connection closed, new ones refused, reset or left hanging) 
 it; the real server is never touched.
 
 :class:`ServerProcess` runs an ASGI app under uvicorn in a child process, on a socket the test
-opened (no port race), so that the test can kill it with SIGKILL mid-request.
+opened (no port race), so that the test can kill it (or one of its workers) with SIGKILL
+mid-request.
+
+:class:`PostgreSQLServer` and :class:`RedisServer` are store servers of the test's own, on free
+ports and in temporary folders, which a test pauses (SIGSTOP: the server hangs, connections
+stay open), resumes, stops and starts again; the shared servers are never touched.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import enum
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -47,7 +54,33 @@ class Cut(enum.Enum):
     HANG = "hang"
 
 
-class TcpProxy:
+class Started(abc.ABC):
+    """Started when a ``with`` block begins, closed when it ends (or when starting fails)."""
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class TcpProxy(Started):
     """A TCP relay from ``127.0.0.1:<port>`` to ``upstream``, which can be cut and restored.
 
     Use ``with TcpProxy(port) as proxy:``; :meth:`url` rewrites a server URL to go through it.
@@ -92,18 +125,6 @@ class TcpProxy:
         credentials = parts.netloc.rpartition("@")[0]
         netloc = f"{credentials}@{HOST}:{self.port}" if credentials else f"{HOST}:{self.port}"
         return urlunsplit(parts._replace(netloc=netloc))
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(10)
@@ -184,9 +205,18 @@ class ServerProcess:
 
     ``env`` is added to this process's environment. :meth:`wait_ready` polls ``ready_path``
     until the app answers; :meth:`kill` sends SIGKILL: no shutdown, no cleanup, no lifespan.
+    With ``workers`` above 1, uvicorn's supervisor runs that many worker processes
+    (:meth:`worker_pids`), and replaces a worker that dies.
     """
 
-    def __init__(self, factory: str, env: Mapping[str, str], *, ready_path: str = "/health"):
+    def __init__(
+        self,
+        factory: str,
+        env: Mapping[str, str],
+        *,
+        ready_path: str = "/health",
+        workers: int = 1,
+    ):
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((HOST, 0))
@@ -213,12 +243,15 @@ class ServerProcess:
                 "--no-access-log",
                 "--timeout-graceful-shutdown",
                 "2",
+                *(["--workers", str(workers)] if workers > 1 else []),
             ],
             cwd=ROOT,
             env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
             pass_fds=(fd,),
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            # A group of its own: SIGKILL reaches the supervisor's workers too.
+            start_new_session=True,
         )
 
     def wait_ready(self, timeout: float = 30.0) -> None:
@@ -236,20 +269,34 @@ class ServerProcess:
         raise TimeoutError(f"the server on port {self.port} did not start in {timeout} s")
 
     def kill(self) -> None:
-        """SIGKILL: the worker dies on the spot, mid-request."""
+        """SIGKILL: the server (every worker) dies on the spot, mid-request."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(10)
+
+    def client(self) -> httpx.AsyncClient:
+        """A client of the server that opens a connection per request, so that its requests
+        spread over the workers."""
+        return httpx.AsyncClient(
+            base_url=self.url, timeout=30, limits=httpx.Limits(max_keepalive_connections=0)
+        )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def worker_pids(self) -> set[int]:
+        """The worker processes of a server run with ``workers`` above 1."""
+        return {pid for pid in child_pids(self.process.pid) if _is_spawned_worker(pid)}
+
+    def kill_worker(self) -> int:
+        """SIGKILL one worker (the supervisor lives on); its pid."""
+        pid = min(self.worker_pids())
+        os.kill(pid, signal.SIGKILL)
+        return pid
 
     def stop(self) -> str:
         """Stop the server (SIGTERM, then SIGKILL) and return what it printed."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        end_process(self.process)
         self._socket.close()
         output = self.output()
         self._log.close()
@@ -310,3 +357,234 @@ async def serve(app: Any, *, graceful: float = 5.0) -> AsyncIterator[str]:
             async with asyncio.timeout(5):
                 while server.server_state.tasks:  # noqa: ASYNC110  (uvicorn's own set)
                     await asyncio.sleep(0.01)
+
+
+def end_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM ``process``; after 10 s, SIGKILL its process group (a session of its own)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux: from ``/proc``)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children += [int(child) for child in (task / "children").read_text().split()]
+    return children
+
+
+def _is_spawned_worker(pid: int) -> bool:
+    # Not multiprocessing's resource tracker, the supervisor's other child.
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on now (a server of the test's own will take it)."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+# ---------------------------------------------------------------- store servers of our own
+
+
+class StoreServer(Started):
+    """A store server of the test's own, in a temporary folder, on a free port.
+
+    :meth:`pause` stops every process of the server with SIGSTOP: it neither answers nor
+    closes a connection, and new connections wait in the kernel's backlog, as with a server
+    that hangs. :meth:`resume` sends SIGCONT. :meth:`stop` and :meth:`start` stop it and start
+    it again on the same port (with the same data, where the server keeps any).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.port = free_port()
+        self.folder = Path(tempfile.mkdtemp(prefix=f"idempotency-{name}-"))
+        self._paused: list[int] = []
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The store's URL, for the app."""
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start the server; returns once it accepts connections."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop the server (nothing when it is stopped); returns once it is gone."""
+
+    @abc.abstractmethod
+    def _processes(self) -> list[int]:
+        """The server's processes, the one that accepts connections first."""
+
+    def pause(self) -> None:
+        """SIGSTOP every process of the server."""
+        first = self._processes()[0]
+        os.kill(first, signal.SIGSTOP)
+        self._paused = [first]
+        # Stopped, the first starts no new process: the others are all there now.
+        for pid in self._processes()[1:]:
+            os.kill(pid, signal.SIGSTOP)
+            self._paused.append(pid)
+
+    def resume(self) -> None:
+        """SIGCONT what :meth:`pause` stopped."""
+        for pid in reversed(self._paused):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self._paused = []
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Paused within the block; resumed at its end, whatever happens."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+    def close(self) -> None:
+        self.resume()
+        self.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _as_owner(user: str) -> dict[str, Any]:
+    """Popen arguments that run a server as ``user`` when we are root (PostgreSQL refuses root)."""
+    return {"user": user, "group": user} if os.geteuid() == 0 else {}
+
+
+class PostgreSQLServer(StoreServer):
+    """A PostgreSQL cluster of the test's own (``initdb``, ``pg_ctl``), user ``postgres``, trust.
+
+    With ``template`` (the ``data`` folder of another, stopped, server of this class), the
+    cluster starts as a copy of that one, which is faster than ``initdb``.
+    """
+
+    USER = "postgres"
+
+    def __init__(self, template: Path | None = None) -> None:
+        versions = sorted(
+            Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"),
+            key=lambda path: int(path.parent.parent.name),
+        )
+        if not versions:
+            raise FileNotFoundError("no PostgreSQL server binaries in /usr/lib/postgresql")
+        super().__init__("postgresql")
+        self.bin = versions[-1].parent
+        self.data = self.folder / "data"
+        try:
+            if os.geteuid() == 0:
+                shutil.chown(self.folder, self.USER, self.USER)
+            if template is None:
+                self._run(
+                    *("initdb", "-D", self.data, "-U", self.USER),
+                    *("-A", "trust", "-E", "UTF8", "--no-sync"),
+                )
+            else:
+                subprocess.run(
+                    ["cp", "-a", str(template), str(self.data)],
+                    check=True,
+                    capture_output=True,
+                    **_as_owner(self.USER),
+                )
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
+
+    def database_url(self, database: str) -> str:
+        return f"postgresql://{self.USER}@{HOST}:{self.port}/{database}"
+
+    @property
+    def url(self) -> str:
+        return self.database_url("postgres")
+
+    def create_database(self, name: str) -> str:
+        """A new, empty database on this server; its URL."""
+        self._run("createdb", "-h", HOST, "-p", str(self.port), "-U", self.USER, name)
+        return self.database_url(name)
+
+    def start(self) -> None:
+        options = (
+            f"-p {self.port} -k {self.folder} -c listen_addresses={HOST}"
+            " -c fsync=off -c full_page_writes=off"
+        )
+        self._run(
+            "pg_ctl", "-D", self.data, "-o", options, "-l", self.folder / "log", "-w", "start"
+        )
+
+    def stop(self) -> None:
+        if (self.data / "postmaster.pid").exists():
+            self._run("pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop")
+
+    def _processes(self) -> list[int]:
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        return [postmaster, *child_pids(postmaster)]
+
+    def _run(self, program: str, *args: str | Path) -> None:
+        subprocess.run(
+            [str(self.bin / program), *map(str, args)],
+            check=True,
+            capture_output=True,
+            timeout=60,
+            **_as_owner(self.USER),
+        )
+
+
+class RedisServer(StoreServer):
+    """A ``redis-server`` of the test's own, keeping nothing on disk (data ends with it)."""
+
+    def __init__(self) -> None:
+        if shutil.which("redis-server") is None:
+            raise FileNotFoundError("no redis-server program")
+        super().__init__("redis")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                *("redis-server", "--port", str(self.port), "--bind", HOST),
+                *("--save", "", "--appendonly", "no", "--dir", str(self.folder)),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 10
+        while not self._answers():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            end_process(self.process)
+        self.process = None
+
+    def _processes(self) -> list[int]:
+        assert self.process is not None, "the server is not running"
+        return [self.process.pid]
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection((HOST, self.port), timeout=1) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False

@@ -2,7 +2,9 @@
 
 Every handler writes its runs to a SQLite file (:class:`Effects`), which outlives a killed
 worker and is shared by every worker process: a run is logged as ``started`` when the handler
-begins and ``done`` when its side effect has happened, with the request's key.
+begins and ``done`` when its side effect has happened, with the request's key, the process and
+the time on the machine's monotonic clock; ``POST /work`` also logs when a run ``ended``
+(cancelled or not), so that a test can tell whether two runs of one key lived at once.
 
 Under uvicorn (``uvicorn --factory tests.reliability_app:create_app``, or the module attribute
 ``tests.reliability_app:app``) it is configured by the environment:
@@ -12,15 +14,19 @@ Under uvicorn (``uvicorn --factory tests.reliability_app:create_app``, or the mo
 - ``RELIABILITY_EFFECTS``: the SQLite file handlers log their runs to;
 - ``RELIABILITY_LEASE``: the lease in seconds (default 1);
 - ``RELIABILITY_DELAY``: how long ``POST /work`` sleeps before its side effect (default 0);
-- ``RELIABILITY_WAIT``: how long a duplicate waits for the first request's outcome (default 0).
+- ``RELIABILITY_WAIT``: how long a duplicate waits for the first request's outcome (default 0);
+- ``RELIABILITY_ON_LEASE_LOST``: the middleware's ``on_lease_lost`` (its default when unset).
 """
 
 from __future__ import annotations
 
 import os
 import sqlite3
+import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,19 @@ from idempotency_mw import IdempotencyMiddleware, RedisStore, SQLStore, Store, i
 KEY_HEADER = "idempotency-key"
 
 
+@dataclass(frozen=True)
+class Run:
+    """One run of ``POST /work``: its process, and when it started, had its effect and ended.
+
+    Times are ``time.monotonic()``, one clock for every process of the machine.
+    """
+
+    pid: int
+    started: float
+    effect: float | None
+    ended: float | None
+
+
 class Effects:
     """The log of handler runs, in a SQLite file that several processes share."""
 
@@ -44,7 +63,7 @@ class Effects:
             db.execute(
                 "CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY AUTOINCREMENT,"
                 " route TEXT NOT NULL, key TEXT NOT NULL, phase TEXT NOT NULL,"
-                " pid INTEGER NOT NULL)"
+                " pid INTEGER NOT NULL, run TEXT NOT NULL, at REAL NOT NULL)"
             )
 
     def _connect(self) -> sqlite3.Connection:
@@ -52,17 +71,17 @@ class Effects:
         db.execute("PRAGMA busy_timeout=30000")
         return db
 
-    def log(self, route: str, key: str, phase: str) -> int:
-        """Log one step of a run; the id of the row."""
+    def log(self, route: str, key: str, phase: str, run: str = "") -> int:
+        """Log one step of a run (``run`` tells the steps of one run apart); the id of the row."""
         with closing(self._connect()) as db, db:
             cursor = db.execute(
-                "INSERT INTO runs (route, key, phase, pid) VALUES (?, ?, ?, ?)",
-                (route, key, phase, os.getpid()),
+                "INSERT INTO runs (route, key, phase, pid, run, at) VALUES (?, ?, ?, ?, ?, ?)",
+                (route, key, phase, os.getpid(), run, time.monotonic()),
             )
             return int(cursor.lastrowid or 0)
 
-    async def alog(self, route: str, key: str, phase: str) -> int:
-        return await anyio.to_thread.run_sync(self.log, route, key, phase)
+    async def alog(self, route: str, key: str, phase: str, run: str = "") -> int:
+        return await anyio.to_thread.run_sync(self.log, route, key, phase, run)
 
     def count(self, key: str | None = None, phase: str = "done") -> int:
         """Runs that reached ``phase``, of one key or of all."""
@@ -81,6 +100,48 @@ class Effects:
                 "SELECT key, COUNT(*) FROM runs WHERE phase = ? GROUP BY key", (phase,)
             ).fetchall()
         return {str(key): int(count) for key, count in rows}
+
+    def runs(self, key: str) -> list[Run]:
+        """The runs of ``POST /work`` with ``key``, in the order they started."""
+        with closing(self._connect()) as db:
+            rows = db.execute(
+                "SELECT run, pid, phase, at FROM runs WHERE key = ? AND run != '' ORDER BY id",
+                (key,),
+            ).fetchall()
+        steps: dict[str, dict[str, float]] = {}
+        pids: dict[str, int] = {}
+        for run, pid, phase, at in rows:
+            steps.setdefault(run, {})[phase] = float(at)
+            pids[run] = int(pid)
+        return sorted(
+            (
+                Run(pids[run], at["started"], at.get("done"), at.get("ended"))
+                for run, at in steps.items()
+            ),
+            key=lambda run: run.started,
+        )
+
+
+def service_env(
+    store_url: str,
+    effects: Effects,
+    *,
+    lease: float,
+    delay: float,
+    redis_prefix: str = "idem:",
+    on_lease_lost: str | None = None,
+) -> dict[str, str]:
+    """The environment that configures the service under uvicorn (see the module's doc)."""
+    env = {
+        "RELIABILITY_STORE": store_url,
+        "RELIABILITY_REDIS_PREFIX": redis_prefix,
+        "RELIABILITY_EFFECTS": effects.path,
+        "RELIABILITY_LEASE": str(lease),
+        "RELIABILITY_DELAY": str(delay),
+    }
+    if on_lease_lost is not None:
+        env["RELIABILITY_ON_LEASE_LOST"] = on_lease_lost
+    return env
 
 
 def caller_of(connection: HTTPConnection) -> str:
@@ -111,6 +172,8 @@ def create_app(
         effects = Effects(env["RELIABILITY_EFFECTS"])
     lease = float(env.get("RELIABILITY_LEASE", "1")) if lease is None else lease
     options.setdefault("wait", float(env.get("RELIABILITY_WAIT", "0")))
+    if "RELIABILITY_ON_LEASE_LOST" in env:
+        options.setdefault("on_lease_lost", env["RELIABILITY_ON_LEASE_LOST"])
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, lease=lease, scope=caller_of, **options)
     app.state.effects = effects
@@ -120,13 +183,24 @@ def create_app(
     async def health() -> dict[str, int]:
         return {"pid": os.getpid()}
 
+    # A POST that needs no key: it never waits for the store.
+    @app.post("/ping")
+    async def ping() -> dict[str, int]:
+        return {"pid": os.getpid()}
+
     @app.post("/work")
     @idempotent(required=True)
     async def work(request: Request) -> dict[str, Any]:
         key = request.headers.get(KEY_HEADER, "")
-        await effects.alog("work", key, "started")
-        await anyio.sleep(app.state.delay)
-        run = await effects.alog("work", key, "done")
+        run_id = uuid.uuid4().hex
+        await effects.alog("work", key, "started", run_id)
+        try:
+            await anyio.sleep(app.state.delay)
+            run = await effects.alog("work", key, "done", run_id)
+        finally:
+            # A cancelled run logs its end too.
+            with anyio.CancelScope(shield=True):
+                await effects.alog("work", key, "ended", run_id)
         return {"run": run, "pid": os.getpid(), "body": (await request.body()).decode()}
 
     @app.post("/upload")

@@ -40,7 +40,7 @@ from tests.conftest import (
     require_server,
 )
 from tests.faults import Cut, ServerProcess, TcpProxy, serve, upstream_port
-from tests.reliability_app import Effects, create_app, store_from_url
+from tests.reliability_app import Effects, create_app, service_env, store_from_url
 
 pytestmark = [pytest.mark.anyio, pytest.mark.servers]
 
@@ -199,13 +199,9 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
 
 def server_env(backend: Backend, effects: Effects, lease: float, delay: float) -> dict[str, str]:
-    return {
-        "RELIABILITY_STORE": backend.url,
-        "RELIABILITY_REDIS_PREFIX": backend.redis_prefix,
-        "RELIABILITY_EFFECTS": effects.path,
-        "RELIABILITY_LEASE": str(lease),
-        "RELIABILITY_DELAY": str(delay),
-    }
+    return service_env(
+        backend.url, effects, lease=lease, delay=delay, redis_prefix=backend.redis_prefix
+    )
 
 
 # ---------------------------------------------------------------- crashed worker
