@@ -11,7 +11,7 @@ import httpx
 from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.responses import StreamingResponse
 
-from idempotency_mw import IdempotencyMiddleware, Store, idempotent
+from idempotency_mw import IdempotencyMiddleware, Store, StoreError, idempotent
 
 
 class Gate:
@@ -132,48 +132,65 @@ def client_for(app: FastAPI) -> httpx.AsyncClient:
 
 
 class PausableStore:
-    """A real store behind a switch: while paused, every call waits, as on a stopped server.
+    """A real store behind switches: a paused operation waits, as on a stopped server; a failing
+    one raises StoreError, as on a broken one. Without arguments, pause and fail take every
+    operation.
 
-    It also counts ``aclose`` calls, so tests can see that the store was closed.
+    It also counts ``aclose`` calls, so tests can see that the store was closed, and passes
+    whatever else is asked of it (``fence_statement``, ``url``) to the real store.
     """
+
+    OPERATIONS = frozenset({"claim", "renew", "complete", "release", "purge", "startup"})
 
     def __init__(self, store: Store) -> None:
         self.inner = store
         self.closed = 0
-        self._running = anyio.Event()
-        self._running.set()
+        self.failing: frozenset[str] = frozenset()
+        self._paused: frozenset[str] = frozenset()
+        self._resumed = anyio.Event()
 
-    def pause(self) -> None:
-        self._running = anyio.Event()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def pause(self, *operations: str) -> None:
+        self._paused = frozenset(operations) or self.OPERATIONS
+        self._resumed = anyio.Event()
 
     def resume(self) -> None:
-        self._running.set()
+        self._paused = frozenset()
+        self._resumed.set()
 
-    async def _wait(self) -> None:
-        await self._running.wait()
+    def fail(self, *operations: str) -> None:
+        self.failing = frozenset(operations) or self.OPERATIONS
+
+    async def _gate(self, operation: str) -> None:
+        while operation in self._paused:
+            await self._resumed.wait()
+        if operation in self.failing:
+            raise StoreError(f"{operation} failed: the test broke the store")
 
     async def claim(self, *args: Any, **kwargs: Any) -> Any:
-        await self._wait()
+        await self._gate("claim")
         return await self.inner.claim(*args, **kwargs)
 
     async def renew(self, *args: Any, **kwargs: Any) -> Any:
-        await self._wait()
+        await self._gate("renew")
         return await self.inner.renew(*args, **kwargs)
 
     async def complete(self, *args: Any, **kwargs: Any) -> Any:
-        await self._wait()
+        await self._gate("complete")
         return await self.inner.complete(*args, **kwargs)
 
     async def release(self, *args: Any, **kwargs: Any) -> Any:
-        await self._wait()
+        await self._gate("release")
         return await self.inner.release(*args, **kwargs)
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
-        await self._wait()
+        await self._gate("purge")
         return await self.inner.purge_expired(batch_size=batch_size)
 
     async def startup(self) -> None:
-        await self._wait()
+        await self._gate("startup")
         await self.inner.startup()
 
     async def aclose(self) -> None:

@@ -120,6 +120,28 @@ async def test_lapsed_lease_with_other_fingerprint_is_mismatch(store: Store) -> 
     assert claim.outcome is ClaimOutcome.MISMATCH
 
 
+async def test_a_record_is_bound_to_its_callers_credentials(store: Store) -> None:
+    claim = await store.claim("", "k", "f", ttl=TTL, lease=0.1, binding="alice")
+    assert claim.token
+    assert (await store.claim("", "k", "f", ttl=TTL, lease=LEASE, binding="bob")).outcome is (
+        ClaimOutcome.CREDENTIAL_MISMATCH
+    )
+    await anyio.sleep(0.2)
+    # A lapsed lease is taken over by the same request of the same caller only.
+    for other in ("bob", ""):
+        late = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, binding=other)
+        assert late.outcome is ClaimOutcome.CREDENTIAL_MISMATCH
+    retry = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, binding="alice")
+    assert retry.outcome is ClaimOutcome.ACQUIRED
+    assert retry.token
+    assert await store.complete("", "k", retry.token, RESPONSE, ttl=TTL)
+    # Checked before the fingerprint: another caller learns nothing of the request.
+    other_body = await store.claim("", "k", "other", ttl=TTL, lease=LEASE, binding="bob")
+    assert other_body.outcome is ClaimOutcome.CREDENTIAL_MISMATCH
+    replay = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, binding="alice")
+    assert replay.outcome is ClaimOutcome.REPLAY
+
+
 async def test_renew_keeps_the_lease(store: Store) -> None:
     token = await acquire(store, lease=0.5)
     for _ in range(4):

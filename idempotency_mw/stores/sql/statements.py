@@ -92,7 +92,12 @@ READ = select(
     records.c.response_headers,
     records.c.result_payload,
     BINDING.label("binding"),
-    and_(records.c.committed_at.is_not(None), records.c.lease_expires_at <= NOW).label("orphaned"),
+    # In progress, its effect committed, and nobody holds it any more.
+    and_(
+        records.c.status == IN_PROGRESS,
+        records.c.committed_at.is_not(None),
+        records.c.lease_expires_at <= NOW,
+    ).label("orphaned"),
     MINE.label("mine"),
     CAN_TAKE_OVER.label("free"),
 ).where(KEY_IS)

@@ -219,8 +219,6 @@ def _outcome_of(
         return Claim(ClaimOutcome.CREDENTIAL_MISMATCH)
     if request_hash != fingerprint:
         return Claim(ClaimOutcome.MISMATCH)
-    if orphaned or status == RecordStatus.COMMITTED.value:
-        return Claim(ClaimOutcome.COMMITTED_WITHOUT_RESPONSE)
     if status == RecordStatus.COMPLETED.value:
         response = StoredResponse(
             response_status, unpack_headers(response_headers), bytes(result_payload)
@@ -228,4 +226,6 @@ def _outcome_of(
         return Claim(ClaimOutcome.REPLAY, response=response)
     if status == RecordStatus.UNREPLAYABLE.value:
         return Claim(ClaimOutcome.UNREPLAYABLE)
+    if orphaned or status == RecordStatus.COMMITTED.value:
+        return Claim(ClaimOutcome.COMMITTED_WITHOUT_RESPONSE)
     return Claim(ClaimOutcome.IN_PROGRESS)
