@@ -33,9 +33,11 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from sqlalchemy import Column, Integer, MetaData, String, Table
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from starlette.requests import HTTPConnection
 
-from idempotency_mw import IdempotencyMiddleware, RedisStore, SQLStore, Store, idempotent
+from idempotency_mw import IdempotencyMiddleware, RedisStore, SQLStore, Store, fence, idempotent
 
 KEY_HEADER = "idempotency-key"
 
@@ -148,6 +150,30 @@ def caller_of(connection: HTTPConnection) -> str:
     return connection.headers.get("x-caller", "anonymous")
 
 
+fenced_effects = Table(
+    "fenced_effects",
+    MetaData(),
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("idem_key", String(100), nullable=False),
+    Column("pid", Integer, nullable=False),
+)
+
+
+def _add_fenced_route(app: FastAPI, store: SQLStore) -> None:
+    """``POST /fenced``: sleeps, then writes its effect in a transaction that calls fence()."""
+    engine = create_async_engine(store.url)
+
+    @app.post("/fenced", status_code=201)
+    @idempotent(required=True)
+    async def fenced(request: Request) -> dict[str, int]:
+        await anyio.sleep(app.state.delay)
+        async with AsyncSession(engine) as session, session.begin():
+            key = request.headers.get(KEY_HEADER, "")
+            await session.execute(fenced_effects.insert().values(idem_key=key, pid=os.getpid()))
+            await fence(session)
+        return {"pid": os.getpid()}
+
+
 def store_from_url(url: str, redis_prefix: str = "idem:") -> Store:
     if url.startswith("redis"):
         return RedisStore(url, prefix=redis_prefix, socket_timeout=2)
@@ -202,6 +228,9 @@ def create_app(
             with anyio.CancelScope(shield=True):
                 await effects.alog("work", key, "ended", run_id)
         return {"run": run, "pid": os.getpid(), "body": (await request.body()).decode()}
+
+    if isinstance(store, SQLStore):
+        _add_fenced_route(app, store)
 
     @app.post("/upload")
     @idempotent(required=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,10 +12,19 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import create_async_engine
 
-from tests.conftest import POSTGRESQL_URL, REDIS_URL, fresh_sql_store, require_server
+from idempotency_mw.stores.sql import async_url
+from tests.conftest import (
+    POSTGRESQL_URL,
+    REDIS_URL,
+    SERVER_DATABASES,
+    fresh_sql_store,
+    require_server,
+)
 from tests.faults import ServerProcess
-from tests.reliability_app import Effects
+from tests.reliability_app import Effects, fenced_effects
 
 pytestmark = pytest.mark.anyio
 
@@ -119,3 +130,62 @@ async def test_duplicates_that_wait_get_the_replay_across_workers(
     assert [answer.status_code for answer in answers] == [200] * 50
     assert len({answer.json()["run"] for answer in answers}) == 1
     assert sum("idempotent-replayed" in answer.headers for answer in answers) == 49
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+async def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    url = (
+        f"sqlite:///{tmp_path / 'i.db'}"
+        if request.param == "sqlite"
+        else SERVER_DATABASES[request.param]
+    )
+    if request.param != "sqlite":
+        require_server(url)
+    await (await fresh_sql_store(url)).aclose()
+    engine = create_async_engine(async_url(url))
+    async with engine.begin() as conn:
+        await conn.run_sync(fenced_effects.metadata.create_all)
+        await conn.execute(fenced_effects.delete())
+    await engine.dispose()
+    return url
+
+
+async def test_a_fenced_effect_commits_once_when_a_paused_worker_loses_its_key(
+    sql_url: str, tmp_path: Path
+) -> None:
+    settings = {
+        "RELIABILITY_DELAY": "1.5",
+        "RELIABILITY_LEASE": "1",
+        "RELIABILITY_ON_LEASE_LOST": "continue",
+    }
+    key = f"fenced-{uuid.uuid4().hex}"
+    with running_workers(sql_url, tmp_path, 2, **settings) as (first, second):
+        async with httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+            answers: dict[str, httpx.Response] = {}
+
+            async def post(name: str, server: ServerProcess) -> None:
+                answers[name] = await client.post(
+                    server.url + "/fenced", headers={"Idempotency-Key": key}
+                )
+
+            group.start_soon(post, "first", first)
+            await anyio.sleep(0.4)
+            # The first worker freezes mid-handler past its lease: a retry takes the key over
+            # on the second worker and commits its effect.
+            os.kill(first.process.pid, signal.SIGSTOP)
+            try:
+                await anyio.sleep(1.2)
+                await post("retry", second)
+            finally:
+                os.kill(first.process.pid, signal.SIGCONT)
+    engine = create_async_engine(async_url(sql_url))
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(select(fenced_effects.c.pid).where(fenced_effects.c.idem_key == key))
+        ).all()
+    await engine.dispose()
+    # The first worker's transaction found the key another's, and rolled back.
+    assert len(rows) == 1
+    assert answers["retry"].status_code == 201
+    assert answers["first"].status_code == 409
+    assert answers["first"].json()["type"].endswith("in-progress")
