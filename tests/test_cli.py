@@ -271,11 +271,21 @@ async def test_stats_counts_records_by_status(
     assert near(now, datetime.now(UTC))
     assert shown["size_bytes"] > 0
     if target.name == "redis":  # the expired record is gone already; no creation times
-        assert shown["by_status"] == {"in_progress": 2, "completed": 3, "unreplayable": 1}
+        assert shown["by_status"] == {
+            "in_progress": 2,
+            "completed": 3,
+            "unreplayable": 1,
+            "committed": 0,
+        }
         assert shown["total"] == 6
         assert (shown["expired"], shown["oldest_in_progress"]) == (None, None)
     else:
-        assert shown["by_status"] == {"in_progress": 2, "completed": 4, "unreplayable": 1}
+        assert shown["by_status"] == {
+            "in_progress": 2,
+            "completed": 4,
+            "unreplayable": 1,
+            "committed": 0,
+        }
         assert shown["total"] == 7
         assert shown["expired"] == 1
         oldest = _time(shown["oldest_in_progress"])

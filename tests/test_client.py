@@ -300,12 +300,19 @@ class FlakyStore(SQLStore):
     failures = 1
 
     async def claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        *,
+        ttl: float,
+        lease: float,
+        binding: str = "",
     ) -> Claim:
         if self.failures:
             self.failures -= 1
             raise StoreError("database unreachable")
-        return await super().claim(scope, key, fingerprint, ttl=ttl, lease=lease)
+        return await super().claim(scope, key, fingerprint, ttl=ttl, lease=lease, binding=binding)
 
 
 @pytest.mark.anyio

@@ -215,7 +215,10 @@ def test_alembic_offline_mode_renders_the_ddl(url: str, expected: list[str]) -> 
     sql = result.stdout
     assert "CREATE TABLE idempotency_records" in sql
     assert f"CREATE INDEX {INDEX_NAME} ON idempotency_records (expires_at)" in sql
-    assert f"INSERT INTO {VERSION_TABLE} (version_num) VALUES ('{SCHEMA_REVISION}')" in sql
+    # The first revision inserts the version row; each later one moves it to the head.
+    assert f"INSERT INTO {VERSION_TABLE} (version_num) VALUES ('0001_idempotency_records')" in sql
+    assert f"SET version_num='{SCHEMA_REVISION}'" in sql
+    assert "ADD COLUMN caller_binding" in sql
     for fragment in expected:
         assert fragment in sql
     assert not (REPO_ROOT / "unused.db").exists()
