@@ -166,6 +166,11 @@ class IdempotencyMiddleware:
     ) -> None:
         if not isinstance(store, Store):
             raise ConfigurationError(f"store must implement the Store protocol, got {store!r}")
+        if not _accepts_binding(store):
+            raise ConfigurationError(
+                f"{store!r}.claim() must accept binding= (the Store protocol binds records to "
+                "the caller's credentials)"
+            )
         if mismatch_status not in (409, 422):
             raise ConfigurationError("mismatch_status must be 409 or 422")
         if min(max_request_bytes, max_response_bytes, max_header_bytes, retry_after) < 0:
@@ -289,6 +294,14 @@ class IdempotencyMiddleware:
             return
         async with store_lifespan(self.options.store, purge=self.options.purge):
             yield
+
+
+def _accepts_binding(store: Store) -> bool:
+    try:
+        parameters = inspect.signature(store.claim).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: take it on trust
+        return True
+    return any(p.name == "binding" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def install(app: Any, *, store: Store, **options: Any) -> None:

@@ -543,6 +543,17 @@ async def test_openapi_documents_the_key_header(store: Store) -> None:
     assert header("/tickets", "get") is None
 
 
+def test_a_store_without_binding_is_a_configuration_error(tmp_path: Any) -> None:
+    class OldStore(SQLStore):
+        async def claim(  # type: ignore[override]
+            self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
+        ) -> Any:
+            return await super().claim(scope, key, fingerprint, ttl=ttl, lease=lease)
+
+    with pytest.raises(ConfigurationError, match="binding="):
+        IdempotencyMiddleware(make_app, store=OldStore(f"sqlite:///{tmp_path / 'x.db'}"))
+
+
 def test_invalid_options_are_configuration_errors(tmp_path: Any) -> None:
     store = SQLStore(f"sqlite:///{tmp_path / 'x.db'}")
     app = make_app(store)
