@@ -7,11 +7,13 @@ Tests against a server skip when it is not reachable, unless IDEMPOTENCY_REQUIRE
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -25,6 +27,7 @@ from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import metadata
 from idempotency_mw.testing import MemoryStore
 from tests.faults import PostgreSQLServer, RedisServer, StoreServer
+from tests.redis_servers import RedisCluster, RedisSentinel
 from tests.scratch import scratch_database
 
 S = TypeVar("S", bound=StoreServer)
@@ -134,35 +137,121 @@ async def redis_client() -> AsyncIterator[redis.asyncio.Redis]:
     await client.aclose()
 
 
-#: The stores that keep records outside the process (what the operator's CLI can open).
-PERSISTENT_STORES = [*DATABASES, "redis"]
-STORES = [*PERSISTENT_STORES, "memory"]
+def require_redis_server() -> None:
+    """Skip (or, in CI, fail) when this machine cannot start Redis servers of the tests' own."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        if REQUIRE_SERVERS:
+            pytest.fail("redis-server and redis-cli are needed (IDEMPOTENCY_REQUIRE_SERVERS=1)")
+        pytest.skip("redis-server and redis-cli are not installed")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A Redis Cluster of the session's own (3 masters, 3 replicas), started on first use."""
+    require_redis_server()
+    with RedisCluster.start(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinel]:
+    """A Redis master and a Sentinel watching it, the session's own, started on first use."""
+    require_redis_server()
+    sentinel = RedisSentinel.start(tmp_path_factory.mktemp("redis-sentinel"))
+    yield sentinel
+    sentinel.stop()
+
+
+#: Every way a user can build a store: the contract suite runs on each.
+STORE_PATHS = [
+    *(f"{database}-{how}" for database in DATABASES for how in ("url", "engine")),
+    "redis-url",
+    "redis-client",
+    "redis-cluster-url",
+    "redis-cluster-client",
+    "redis-sentinel-client",
+    "memory",
+]
+#: One path per backend: for tests of the middleware, which need no more.
+STORES = [f"{database}-url" for database in DATABASES] + ["redis-url", "memory"]
+
+
+@asynccontextmanager
+async def built_store(path: str, request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """An empty store built the way ``path`` names; what the test opened is closed after."""
+    backend, _, how = path.partition("-")
+    if backend == "memory":
+        yield MemoryStore()
+        return
+    if backend == "redis":
+        async with _redis_store(how, request) as made:
+            yield made
+        return
+    if backend == "sqlite":
+        url = f"sqlite:///{request.getfixturevalue('tmp_path') / 'idempotency.db'}"
+    else:
+        url = SERVER_DATABASES[backend]
+        require_server(url)
+    sql_store = await fresh_sql_store(url)
+    if how == "url":
+        yield sql_store
+        await sql_store.aclose()
+        return
+    await sql_store.aclose()
+    engine = create_async_engine(async_url(url))
+    yield SQLStore(engine)
+    await engine.dispose()
+
+
+@asynccontextmanager
+async def _redis_store(how: str, request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
+    prefix = f"test-idem-{uuid.uuid4().hex}:"
+    if how == "sentinel-client":
+        sentinel: RedisSentinel = request.getfixturevalue("redis_sentinel")
+        watcher = redis.asyncio.Sentinel([sentinel.sentinel_address])
+        master = watcher.master_for(sentinel.name)
+        yield RedisStore(client=master, prefix=prefix)
+        await master.aclose()
+        for client in watcher.sentinels:
+            await client.aclose()
+        return
+    if how.startswith("cluster"):
+        # The cluster is the session's own: its keys go with it.
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        if how == "cluster-url":
+            made = RedisStore(cluster.url, cluster=True, prefix=prefix)
+            yield made
+            await made.aclose()
+            return
+        client = redis.asyncio.RedisCluster.from_url(cluster.url)
+        yield RedisStore(client=client, prefix=prefix)
+        await client.aclose()
+        return
+    require_server(REDIS_URL)
+    given = redis.asyncio.Redis.from_url(REDIS_URL) if how == "client" else None
+    made = (
+        RedisStore(REDIS_URL, prefix=prefix)
+        if given is None
+        else RedisStore(client=given, prefix=prefix)
+    )
+    yield made
+    keys = [k async for k in made.client.scan_iter(match=f"{prefix}*")]
+    if keys:
+        await made.client.delete(*keys)
+    await made.aclose()
+    if given is not None:
+        await given.aclose()
 
 
 @pytest.fixture(params=STORES)
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    """Every store the library ships, empty: the contract suite runs on each."""
-    name: str = request.param
-    if name == "memory":
-        yield MemoryStore()
-        return
-    if name == "redis":
-        require_server(REDIS_URL)
-        redis_store = RedisStore(REDIS_URL, prefix=f"test-idem-{uuid.uuid4().hex}:")
-        yield redis_store
-        keys = [k async for k in redis_store.client.scan_iter(match=f"{redis_store.prefix}*")]
-        if keys:
-            await redis_store.client.delete(*keys)
-        await redis_store.aclose()
-        return
-    if name == "sqlite":
-        url = f"sqlite:///{tmp_path / 'idempotency.db'}"
-    else:
-        url = SERVER_DATABASES[name]
-        require_server(url)
-    made = await fresh_sql_store(url)
-    yield made
-    await made.aclose()
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """An empty store of each backend, made from a URL (the contract suite covers the rest)."""
+    async with built_store(request.param, request) as made:
+        yield made
+
+
+#: The stores that keep records outside the process (what the operator's CLI can open).
+PERSISTENT_STORES = [*DATABASES, "redis"]
 
 
 # ---------------------------------------------------------------- store servers of the test's own

@@ -1,10 +1,11 @@
-"""The Store contract, checked directly on every store (see the `store` fixture)."""
+"""The Store contract, checked directly on every store, built every way a user can build it."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import cast
 
 import anyio
@@ -13,8 +14,17 @@ import pytest
 from idempotency_mw import Claim, ClaimOutcome, Store, StoredResponse
 from idempotency_mw.records import new_token
 from idempotency_mw.stores.base import ClaimsWithToken
+from tests.conftest import STORE_PATHS, built_store
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=STORE_PATHS)
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """An empty store for each way of building one (see ``STORE_PATHS``)."""
+    async with built_store(request.param, request) as made:
+        yield made
+
 
 TTL = 60.0
 LEASE = 30.0

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import UnixDomainSocketConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -32,7 +33,9 @@ from idempotency_mw.stores.redis.scripts import Script
 T = TypeVar("T")
 
 
-Client = TypeVar("Client", redis.Redis, redis.asyncio.Redis)
+#: A client RedisStore takes: one server (standalone, or a Sentinel's master) or a cluster.
+AsyncClient = redis.asyncio.Redis | RedisCluster
+Client = TypeVar("Client", bound=redis.Redis | redis.asyncio.Redis | RedisCluster)
 
 
 def binary_client(
@@ -51,7 +54,7 @@ def binary_client(
             client = make(str(url))
         except ValueError as exc:
             raise ConfigurationError(f"not a Redis URL: {exc}") from exc
-    if client.connection_pool.connection_kwargs.get("decode_responses", False):
+    if client.get_encoder().decode_responses:
         raise ConfigurationError(
             f"{owner} needs a Redis client with decode_responses=False: {holds}"
         )
@@ -65,12 +68,14 @@ def _ms(seconds: float) -> int:
 class RedisStore(ClaimsWithToken):
     """Idempotency records in Redis, one hash per record.
 
-    Give either ``url`` or ``client``. From a ``redis://`` or ``unix://`` URL (host, port,
-    database, user and password; no other options) the store opens one pipelined connection
-    that every request shares; any other URL (``rediss://``, options in the query) gets a
-    redis-py client. ``socket_timeout`` seconds bound connecting and every reply, and the store
-    closes what it opened in :meth:`aclose`. A given ``client``, a ``redis.asyncio.Redis`` with
-    ``decode_responses=False``, is used as it is and never closed. Keys are ``prefix`` plus a
+    Give either ``url`` or ``client``. A ``redis://`` or ``unix://`` URL with nothing beyond
+    host, port, database and login gets one pipelined connection that every request shares;
+    any other URL (``rediss://``, options in the query string) a redis-py client; with
+    ``cluster=True``, a redis-py ``RedisCluster`` that finds the other nodes from the one the
+    URL names. ``socket_timeout`` seconds bound connecting and every reply, and the store
+    closes what it opened in :meth:`aclose`. A given ``client`` (``redis.asyncio.Redis``, a
+    Sentinel's ``master_for(...)``, or ``redis.asyncio.RedisCluster``, with
+    ``decode_responses=False``) is used as it is and never closed. Keys are ``prefix`` plus a
     digest of scope and key in braces, so a record lives in one cluster slot.
     """
 
@@ -78,31 +83,40 @@ class RedisStore(ClaimsWithToken):
         self,
         url: str | None = None,
         *,
-        client: redis.asyncio.Redis | None = None,
+        client: AsyncClient | None = None,
+        cluster: bool = False,
         prefix: str = "idem:",
         socket_timeout: float = 5.0,
     ) -> None:
-        # One retry on a broken connection: a pooled connection that died during an outage
-        # fails once, and every script is safe to run again with its token.
-        client, self._owns_client = binary_client(
-            url,
-            client,
-            lambda address: redis.asyncio.Redis.from_url(
+        if cluster and url is None:
+            raise ConfigurationError("cluster=True applies to url=; pass a RedisCluster client")
+
+        def connect(address: str) -> AsyncClient:
+            options: dict[str, Any] = {
+                "socket_timeout": socket_timeout,
+                "socket_connect_timeout": socket_timeout,
+                "decode_responses": False,
+            }
+            if cluster:
+                return RedisCluster.from_url(address, **options)
+            # One retry on a broken connection: a pooled connection that died during an
+            # outage fails once, and every script is safe to run again with its token.
+            return redis.asyncio.Redis.from_url(
                 address,
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=socket_timeout,
-                decode_responses=False,
                 retry=Retry(NoBackoff(), 1),
                 retry_on_error=[RedisConnectionError],
-            ),
-            owner="RedisStore",
-            holds="records hold binary response bodies",
+                **options,
+            )
+
+        made, self._owns_client = binary_client(
+            url, client, connect, owner="RedisStore", holds="records hold binary response bodies"
         )
-        self._client = client
+        # binary_client returns what it was given or what connect() made: one of these.
+        self._client = cast(AsyncClient, made)
         self._prefix = prefix
         self._timeout = socket_timeout
-        self._where = _masked(url) if url is not None else _address_of(client)
-        address = None if url is None else _plain_address(url)
+        self._where = _masked(url) if url is not None else _address_of(self._client)
+        address = None if url is None or cluster else _plain_address(url)
         self._pipe = (
             None if address is None else PipelinedConnection(address, timeout=socket_timeout)
         )
@@ -111,7 +125,7 @@ class RedisStore(ClaimsWithToken):
         return f"RedisStore({self._where})"
 
     @property
-    def client(self) -> redis.asyncio.Redis:
+    def client(self) -> AsyncClient:
         """A redis-py client on the store's server, for inspecting records."""
         return self._client
 
@@ -192,9 +206,15 @@ class RedisStore(ClaimsWithToken):
         """Check that Redis answers and load the scripts (raises StoreError when it does not)."""
 
         async def check() -> None:
-            await self._execute("PING")
+            if self._pipe is not None:
+                await self._pipe.execute("PING")
+                for script in scripts.ALL:
+                    await self._pipe.execute("SCRIPT", "LOAD", script.source)
+                return
+            # Through redis-py, which sends these to every node of a cluster.
+            await self._client.ping()
             for script in scripts.ALL:
-                await self._execute("SCRIPT", "LOAD", script.source)
+                await self._client.script_load(script.source)
 
         await self._call("startup check", check)
 
@@ -208,6 +228,10 @@ class RedisStore(ClaimsWithToken):
         """Run ``script`` on one key; EVALSHA, or EVAL (which loads it) when Redis lacks it."""
 
         async def run() -> Any:
+            if isinstance(self._client, RedisCluster):
+                # redis-py's cluster client, first used by many tasks at once, can hand one of
+                # them a connection another is still setting up: set it up first (once).
+                await self._client.initialize()
             try:
                 return await self._execute("EVALSHA", script.sha, 1, redis_key, *args)
             except NoScriptError:
@@ -218,7 +242,7 @@ class RedisStore(ClaimsWithToken):
     def _execute(self, *args: Arg) -> Awaitable[Any]:
         if self._pipe is not None:
             return self._pipe.execute(*args)
-        return self._client.execute_command(*args)  # type: ignore[no-untyped-call]
+        return self._client.execute_command(*args)
 
     async def _call(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -247,8 +271,10 @@ def _masked(url: str) -> str:
     return urlunsplit(parts._replace(netloc=login + parts.netloc.rpartition("@")[2]))
 
 
-def _address_of(client: redis.asyncio.Redis) -> str:
+def _address_of(client: AsyncClient) -> str:
     """Where a given client connects, as a URL without login."""
+    if isinstance(client, RedisCluster):
+        return f"cluster via {','.join(client.nodes_manager.startup_nodes)}"
     options = client.connection_pool.connection_kwargs
     if "path" in options:
         return f"unix://{options['path']}?db={options.get('db', 0)}"
