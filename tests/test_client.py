@@ -331,10 +331,14 @@ async def test_same_key_different_request_raises_mismatch(
     sqlite_store: SQLStore, journal_path: Path, fake_time: FakeTime, mismatch_status: int
 ) -> None:
     server = Server(sqlite_store, mismatch_status=mismatch_status)
-    client = make_client(Faulty(server.app), journal_path, fake_time)
+    transport = Faulty(server.app)
+    client = make_client(transport, journal_path, fake_time)
     try:
         op = await client.operation("create-ticket")
-        first = await client.send(op, "POST", "/tickets", json={"title": "a"})
+        # Another caller used the key first, with another request.
+        first = await client.http.post(
+            "/tickets", json={"title": "a"}, headers={"Idempotency-Key": op.key}
+        )
         with pytest.raises(IdempotencyKeyMismatch) as caught:
             await client.send(op, "POST", "/tickets", json={"title": "b"})
         entry = client.journal.get(op.key)
@@ -348,6 +352,29 @@ async def test_same_key_different_request_raises_mismatch(
     assert entry.state is OperationState.FAILED
     assert server.calls["tickets"] == 1
     assert fake_time.sleeps == []
+
+
+@pytest.mark.anyio
+async def test_a_settled_operation_is_answered_from_the_journal_not_sent_again(
+    server: Server, journal_path: Path, fake_time: FakeTime
+) -> None:
+    transport = Faulty(server.app)
+    client = make_client(transport, journal_path, fake_time)
+    try:
+        op = await client.operation("create-ticket", ref="order-17")
+        first = await client.send(op, "POST", "/tickets", json={"title": "a"})
+        again = await client.send(op, "POST", "/tickets", json={"title": "a"})
+        with pytest.raises(IdempotencyKeyMismatch, match="journal holds a different request"):
+            await client.send(op, "POST", "/tickets", json={"title": "b"})
+        entry = client.journal.get(op.key)
+    finally:
+        await close(client)
+    assert (again.status_code, again.json()) == (first.status_code, first.json())
+    assert again.headers["content-type"] == "application/json"
+    assert len(transport.requests) == 1
+    assert server.calls["tickets"] == 1
+    assert entry is not None
+    assert entry.state is OperationState.CONFIRMED
 
 
 @pytest.mark.anyio
@@ -610,6 +637,12 @@ def problem(status: int, slug: str, **headers: str) -> httpx.Response:
     )
 
 
+def app_problem(status: int, kind: str) -> httpx.Response:
+    return httpx.Response(
+        status, headers={"content-type": "application/problem+json"}, json={"type": kind}
+    )
+
+
 REQUEST = httpx.Request("POST", "http://testserver/x")
 
 CLASSIFICATION: list[tuple[httpx.Response | Exception, Verdict]] = [
@@ -634,11 +667,18 @@ CLASSIFICATION: list[tuple[httpx.Response | Exception, Verdict]] = [
     (problem(409, "mismatch"), Verdict.MISMATCH),
     (problem(422, "mismatch"), Verdict.MISMATCH),
     (problem(409, "not-replayable"), Verdict.NOT_REPLAYABLE),
-    (httpx.ConnectTimeout("t", request=REQUEST), Verdict.RETRY),
+    (problem(409, "committed-without-response"), Verdict.NOT_REPLAYABLE),
+    (httpx.Response(501), Verdict.REJECTED),
+    (httpx.Response(505), Verdict.REJECTED),
+    # An application's own problems are plain 4xx, whatever their type ends with.
+    (app_problem(422, "https://shop.example/problems/currency-mismatch"), Verdict.REJECTED),
+    (app_problem(409, "https://shop.example/problems/in-progress"), Verdict.REJECTED),
+    (app_problem(409, "urn:idempotency-mw:problem:mismatch-of-sorts"), Verdict.REJECTED),
+    (httpx.ConnectTimeout("t", request=REQUEST), Verdict.NOT_SENT),
     (httpx.ReadTimeout("t", request=REQUEST), Verdict.RETRY),
     (httpx.WriteTimeout("t", request=REQUEST), Verdict.RETRY),
-    (httpx.PoolTimeout("t", request=REQUEST), Verdict.RETRY),
-    (httpx.ConnectError("refused", request=REQUEST), Verdict.RETRY),
+    (httpx.PoolTimeout("t", request=REQUEST), Verdict.NOT_SENT),
+    (httpx.ConnectError("refused", request=REQUEST), Verdict.NOT_SENT),
     (httpx.ReadError("reset by peer", request=REQUEST), Verdict.RETRY),
     (httpx.RemoteProtocolError("server disconnected", request=REQUEST), Verdict.RETRY),
     (httpx.UnsupportedProtocol("ftp://", request=REQUEST), Verdict.UNSENDABLE),
@@ -651,7 +691,7 @@ def describe(outcome: httpx.Response | Exception) -> str:
     if isinstance(outcome, Exception):
         return type(outcome).__name__
     slug = outcome.headers.get("content-type", "").endswith("problem+json")
-    return f"{outcome.status_code}{'-' + outcome.json()['type'].rsplit(':')[-1] if slug else ''}"
+    return f"{outcome.status_code}{'-' + outcome.json()['type'] if slug else ''}"
 
 
 @pytest.mark.parametrize(
@@ -666,6 +706,7 @@ EXPECTED: dict[Verdict, tuple[str, OperationState] | type[BaseException]] = {
     Verdict.SUCCEEDED: ("final", OperationState.CONFIRMED),
     Verdict.REJECTED: ("final", OperationState.FAILED),
     Verdict.RETRY: ("retry", OperationState.CONFIRMED),
+    Verdict.NOT_SENT: ("retry", OperationState.CONFIRMED),
     Verdict.MISMATCH: IdempotencyKeyMismatch,
     Verdict.NOT_REPLAYABLE: ResponseNotReplayable,
     Verdict.UNSENDABLE: httpx.TransportError,
@@ -710,7 +751,8 @@ async def test_client_acts_on_the_classification(
     assert set(keys) == {op.key}
     # Retry-After is used as given; other retries wait a jittered 0 (no jitter here).
     hint = retry_after(outcome) if isinstance(outcome, httpx.Response) else None
-    assert fake_time.sleeps == ([hint or 0.0] if verdict is Verdict.RETRY else [])
+    retried = verdict in (Verdict.RETRY, Verdict.NOT_SENT)
+    assert fake_time.sleeps == ([hint or 0.0] if retried else [])
 
 
 @pytest.mark.parametrize(
