@@ -1,4 +1,5 @@
-"""The example ticket service: create tickets, send notification emails, list tickets.
+"""The example ticket service: create tickets, send notification emails, list tickets; and
+orders (inventory, payments, confirmation emails) from :mod:`example_app.orders`.
 
 Run it with ``uvicorn example_app.app:app``; ``EXAMPLE_DATABASE_URL`` picks the database
 (SQLite file ``./example.db`` by default). Tickets and the idempotency records share it.
@@ -18,6 +19,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, Text, func, ins
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from starlette.requests import HTTPConnection
 
+from example_app.orders import orders_metadata, orders_router
 from idempotency_mw import IdempotencyMiddleware, SQLStore, idempotent
 from idempotency_mw.cli import upgrade
 from idempotency_mw.stores.sql import async_url
@@ -73,8 +75,12 @@ def caller_of(connection: HTTPConnection) -> str:
     return connection.headers.get("x-caller", "anonymous")
 
 
-def create_app(database_url: str | None = None) -> FastAPI:
-    """The ticket service on ``database_url`` (default: ``EXAMPLE_DATABASE_URL`` or SQLite)."""
+def create_app(
+    database_url: str | None = None, *, ticket_ttl: timedelta = timedelta(hours=1)
+) -> FastAPI:
+    """The ticket service on ``database_url`` (default: ``EXAMPLE_DATABASE_URL`` or SQLite),
+    with the order routes of :mod:`example_app.orders`. ``ticket_ttl``: how long a ticket's
+    response is replayed."""
     url = database_url or os.environ.get("EXAMPLE_DATABASE_URL", DEFAULT_DATABASE_URL)
     engine: AsyncEngine = create_async_engine(async_url(url), connect_args=_connect_args(url))
 
@@ -83,6 +89,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
         await upgrade(url)
         async with engine.begin() as conn:
             await conn.run_sync(metadata.create_all)
+            await conn.run_sync(orders_metadata.create_all)
         yield
         await engine.dispose()
 
@@ -95,7 +102,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
     )
 
     @app.post("/tickets", status_code=201)
-    @idempotent(ttl=timedelta(hours=1), required=True)
+    @idempotent(ttl=ticket_ttl, required=True)
     async def create_ticket(ticket: TicketIn, request: Request) -> Ticket:
         async with engine.begin() as conn:
             result = await conn.execute(
@@ -128,6 +135,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
             )
             return [Ticket(id=r.id, title=r.title, client_ref=r.client_ref) for r in rows]
 
+    app.include_router(orders_router(engine, caller_of))
     return app
 
 

@@ -309,20 +309,25 @@ def format_summary(summary: DemoSummary) -> str:
         )
         for run in (summary.naive, summary.idempotent)
     ]
-    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
-    lines = [
-        "  ".join(
-            str(cell).ljust(width) if i == 0 else str(cell).rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in (header, *rows)
-    ]
+    lines = format_table(header, rows)
     verdict = (
         "OK: the idempotent run created every ticket once and confirmed every operation"
         if summary.ok
         else "FAILED: the idempotent run made duplicates or left operations unconfirmed"
     )
     return "\n".join([*lines, "", f"{verdict} ({summary.seconds:.1f}s)"])
+
+
+def format_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> list[str]:
+    """``rows`` under ``header``, as aligned lines: the first column left, the others right."""
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+    return [
+        "  ".join(
+            str(cell).ljust(width) if i == 0 else str(cell).rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in (header, *rows)
+    ]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from importlib.resources import files
+from pathlib import Path
 
 import anyio.to_thread
 from alembic import command
@@ -58,7 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     purge_parser.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="rows per transaction"
     )
+    _add_journal_commands(commands)
     args = parser.parse_args(argv)
+    if args.command == "journal":
+        return _journal_attention(args.journal)
 
     try:
         if args.command == "purge":
@@ -92,6 +96,43 @@ async def _purge(url: str, batch_size: int) -> str:
         f"purged {report.deleted} expired records in {report.seconds:.3f} s "
         f"({report.batches} batches of at most {batch_size})"
     )
+
+
+# --- The caller's journal (logic in idempotency_mw.client, imported only when asked for) -----
+
+
+def _add_journal_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    journal = commands.add_parser("journal", help="inspect a client journal")
+    actions = journal.add_subparsers(dest="action", required=True)
+    attention = actions.add_parser(
+        "attention", help="list operations that need a person (confirmation or intervention)"
+    )
+    attention.add_argument(
+        "--journal", required=True, help="SQLite journal path, database URL or redis:// URL"
+    )
+
+
+def _journal_attention(where: str) -> int:
+    from idempotency_mw.client.attention import attention_rows, format_rows
+    from idempotency_mw.client.journals import open_journal
+
+    if "://" not in where and not Path(where).is_file():
+        print(f"idempotency-mw: no journal file at {where}", file=sys.stderr)
+        return 2
+    try:
+        journal = open_journal(where)
+        try:
+            rows = attention_rows(journal)
+        finally:
+            journal.close()
+    except ConfigurationError as exc:
+        print(f"idempotency-mw: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the journal's database or Redis failed: one line
+        print(f"idempotency-mw: {describe(exc)}", file=sys.stderr)
+        return 1
+    print(format_rows(rows) if rows else "idempotency-mw: no operation needs attention")
+    return 0
 
 
 if __name__ == "__main__":
