@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from idempotency_mw import RedisStore, SQLStore, Store
 from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
+from tests.client_support import FakeTime, Server, sqlite_store_at
 
 REQUIRE_SERVERS = os.environ.get("IDEMPOTENCY_REQUIRE_SERVERS") == "1"
 
@@ -133,3 +134,30 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     made = await fresh_sql_store(url)
     yield made
     await made.aclose()
+
+
+# --- The client's tests (tests/client_support.py holds what they build on) -------------------
+
+
+@pytest.fixture
+async def sqlite_store(tmp_path: Path) -> AsyncIterator[SQLStore]:
+    """A SQLStore on a fresh SQLite file."""
+    store = await sqlite_store_at(tmp_path / "idem.db")
+    yield store
+    await store.aclose()
+
+
+@pytest.fixture
+async def server(sqlite_store: SQLStore) -> Server:
+    """A Starlette app behind the middleware on :func:`sqlite_store`."""
+    return Server(sqlite_store)
+
+
+@pytest.fixture
+def fake_time() -> FakeTime:
+    return FakeTime()
+
+
+@pytest.fixture
+def journal_path(tmp_path: Path) -> Path:
+    return tmp_path / "journal.sqlite3"

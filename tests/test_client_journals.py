@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import ConfigurationError, IdempotencyMiddleware, SchemaError, SQLStore
+from idempotency_mw.cli import main as cli
 from idempotency_mw.client import (
     IdempotentClient,
     Journal,
@@ -40,6 +41,7 @@ from idempotency_mw.client import (
     sync_url,
 )
 from idempotency_mw.client import open_journal as journal_at
+from idempotency_mw.client.core import key_digest
 from idempotency_mw.client.journals import needing_attention
 from idempotency_mw.stores.schema import metadata
 from idempotency_mw.stores.sql import async_url
@@ -132,7 +134,7 @@ def sent(entry: JournalEntry, state: OperationState = OperationState.SENT) -> Jo
         body=bytes(range(256)),
         status=None if state is OperationState.SENT else 503,
         keyless=state is OperationState.UNKNOWN,
-        first_sent_at=1_800_000_000.123456,
+        first_sent_at=1_800_000_000.123456,  # 2027-01-15 08:00:00 UTC
         response_headers=(("x-tag", "c"), ("x-tag", "d")) if state.settled else (),
         response_body=bytes(range(255, -1, -1)) if state.settled else None,
     )
@@ -465,3 +467,55 @@ def test_redis_journal_never_closes_a_given_client(
 def test_redis_journal_options_are_checked(options: dict[str, object]) -> None:
     with pytest.raises(ConfigurationError):
         RedisJournal(**options)  # type: ignore[arg-type]
+
+
+# --- The attention command ------------------------------------------------------------------
+
+
+def test_journal_attention_lists_what_needs_a_person(
+    prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require_server(POSTGRESQL_URL)
+    with SQLJournal(POSTGRESQL_URL) as journal:
+        entry = journal.add(pending(prefix, 1, ref="order-17"))
+        journal.save(sent(entry, OperationState.NEEDS_CONFIRMATION))
+        settled = journal.add(pending(prefix, 2, ref="order-18"))
+        journal.save(sent(settled, OperationState.CONFIRMED))
+        try:
+            assert cli(["journal", "attention", "--journal", POSTGRESQL_URL]) == 0
+        finally:
+            with journal.engine.begin() as conn:
+                conn.execute(delete(journal_table).where(journal_table.c.name.startswith(prefix)))
+    lines = capsys.readouterr().out.splitlines()
+    mine = [line.split() for line in lines if prefix in line]
+    first_sent = ["2027-01-15", "08:00:00"]
+    digest = key_digest(entry.key)
+    assert mine == [["needs_confirmation", f"{prefix}op", "order-17", "503", *first_sent, digest]]
+    assert entry.key not in "\n".join(lines)  # keys are never printed, only their digests
+
+
+def test_journal_attention_with_nothing_to_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "journal.sqlite3"
+    with SQLiteJournal(path) as journal:
+        assert journal.unsettled() == []
+    assert cli(["journal", "attention", "--journal", str(path)]) == 0
+    assert capsys.readouterr().out == "idempotency-mw: no operation needs attention\n"
+
+
+@pytest.mark.parametrize(
+    ("where", "status", "says"),
+    [
+        ("no/such/journal.sqlite3", 2, "no journal file at"),
+        ("oracle://u@h/db", 2, "unsupported database"),
+        ("postgresql://postgres@127.0.0.1:1/none", 1, "OperationalError"),
+    ],
+)
+def test_journal_attention_errors_are_one_line(
+    where: str, status: int, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli(["journal", "attention", "--journal", where]) == status
+    err = capsys.readouterr().err
+    assert says in err
+    assert err.count("\n") == 1

@@ -35,6 +35,8 @@ from idempotency_mw.client.journals import (
     sync_url,
 )
 from idempotency_mw.client.saga import (
+    AsyncAction,
+    AsyncCompensation,
     AsyncStepClient,
     Saga,
     SagaOutcome,
@@ -42,6 +44,8 @@ from idempotency_mw.client.saga import (
     StepClient,
     StepOutcome,
     StepState,
+    SyncAction,
+    SyncCompensation,
     SyncSaga,
     SyncStepClient,
 )
@@ -59,6 +63,8 @@ __all__ = [
     "DEFAULT_LEASE",
     "DEFAULT_RETENTION",
     "PROBLEM_TYPE_PREFIX",
+    "AsyncAction",
+    "AsyncCompensation",
     "AsyncProbe",
     "AsyncStepClient",
     "AttentionRow",
@@ -85,6 +91,8 @@ __all__ = [
     "StepClient",
     "StepOutcome",
     "StepState",
+    "SyncAction",
+    "SyncCompensation",
     "SyncIdempotentClient",
     "SyncProbe",
     "SyncSaga",

@@ -340,6 +340,7 @@ class Core:
         stored = yield from self._take(request, deadline)
         attempt = 0
         last: httpx.Response | Exception | None = None
+        probes = 0  # probes that failed
         at_once = True  # the first retry after a request that never left goes at once
         while True:
             if box is not None:
@@ -378,7 +379,8 @@ class Core:
                             "probe of %s failed: %s", key_digest(entry.key), _describe(found)
                         )
                         last = found
-                        delay = self._delay(found, max(attempt, 1), deadline)
+                        probes += 1
+                        delay = self._delay(found, probes, deadline)
                         if delay is None:
                             raise OutcomeUnknown(entry.key, attempt, found) from found
                         yield Sleep(delay)
@@ -418,6 +420,8 @@ class Core:
                 state = OperationState.UNKNOWN if maybe else OperationState.PENDING
                 entry = replace(entry, state=state, status=status)
                 yield journaled(entry)
+                if maybe and self._must_confirm(entry) and entry.name not in self.probed:
+                    continue  # nothing to wait for: a person has to confirm it
                 delay = self._delay(last, attempt, deadline, immediate=immediate)
                 if delay is None:
                     raise (yield from self._give_up(entry, attempt, last, maybe, journaled))

@@ -127,8 +127,17 @@ class JournalEntry:
         )
 
     def same_request(self, other: JournalEntry) -> bool:
-        """Whether ``other`` sends what this entry sent (method, URL and body)."""
-        return (self.method, self.url, self.body) == (other.method, other.url, other.body)
+        """Whether ``other`` sends what this entry sent: method, path and query, and body (the
+        host may differ, as it does between callers behind different addresses of one API)."""
+        return (self.method, _target(self.url), self.body) == (
+            other.method,
+            _target(other.url),
+            other.body,
+        )
+
+
+def _target(url: str | None) -> bytes | None:
+    return None if url is None else httpx.URL(url).raw_path
 
 
 class RequestParts(TypedDict, total=False):
