@@ -18,7 +18,7 @@ import pytest
 
 from example_app.app import create_app
 from example_app.demo import serve
-from example_app.proxy import HOST, FaultProxy, FaultRates
+from example_app.proxy import FaultProxy, FaultRates
 from idempotency_mw.client import (
     AsyncProbe,
     IdempotentClient,
@@ -54,32 +54,26 @@ async def test_reconcile_after_the_server_forgot_the_key_never_makes_a_second_ti
 ) -> None:
     database, journal = tmp_path / "service.db", tmp_path / "journal.sqlite3"
     app = create_app(f"sqlite:///{database}", ticket_ttl=timedelta(seconds=1))
-    async with serve(app) as port:
-        async with (
-            FaultProxy(port, rates=FaultRates(drop_response=1.0), delay=0.0) as lossy,
-            IdempotentClient(
-                base_url=lossy.url,
-                headers=CALLER,
-                journal=journal,
-                policy=RetryPolicy(max_attempts=1),
-                retention=RETENTION,
-            ) as before,
-        ):
+    async with (
+        serve(app) as port,
+        FaultProxy(port, rates=FaultRates(drop_response=1.0), delay=0.0) as proxy,
+    ):
+        async with IdempotentClient(
+            base_url=proxy.url,
+            headers=CALLER,
+            journal=journal,
+            policy=RetryPolicy(max_attempts=1),
+            retention=RETENTION,
+        ) as before:
             op = await before.operation("create-ticket", ref="order-17")
             with pytest.raises(OutcomeUnknown):
                 await before.send(op, "POST", "/tickets", json=TICKET)
         assert tickets(database, "order-17") == 1
         await anyio.sleep(1.2)  # past the record's TTL and the client's retention
 
-        service = f"http://{HOST}:{port}"
-        async with httpx.AsyncClient(base_url=service, headers=CALLER) as http:
-            # The server forgot the key: it takes it again, for another request even.
-            other = {**TICKET, "client_ref": "order-99"}
-            reused = await http.post("/tickets", json=other, headers={"Idempotency-Key": op.key})
-        assert reused.status_code == 201
-
+        proxy.rates = FaultRates()  # the network heals; the agent restarts
         async with IdempotentClient(
-            base_url=service,
+            base_url=proxy.url,
             headers=CALLER,
             journal=journal,
             retention=RETENTION,
@@ -87,7 +81,13 @@ async def test_reconcile_after_the_server_forgot_the_key_never_makes_a_second_ti
         ) as after:
             [settled] = await after.reconcile()
             attention = await after.attention()
-    assert tickets(database, "order-17") == 1
+        assert tickets(database, "order-17") == 1
+
+        # What a blind re-send would have done: the server forgot the key and runs it again.
+        async with httpx.AsyncClient(base_url=proxy.url, headers=CALLER) as http:
+            blind = await http.post("/tickets", json=TICKET, headers={"Idempotency-Key": op.key})
+        assert (blind.status_code, blind.headers.get("idempotent-replayed")) == (201, None)
+        assert tickets(database, "order-17") == 2
     if probe is None:
         assert settled.state is OperationState.NEEDS_CONFIRMATION
         assert [entry.key for entry in attention] == [op.key]
