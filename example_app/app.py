@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Annotated
 
+import httpx
 from fastapi import FastAPI, Path, Request
 from pydantic import BaseModel, Field
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, func, insert, select
@@ -137,6 +138,24 @@ def create_app(
 
     app.include_router(orders_router(engine, caller_of))
     return app
+
+
+@asynccontextmanager
+async def in_process(
+    database_url: str | None = None, *, caller: str = "readme"
+) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client on the service run in this process (started and stopped around the
+    block), calling as ``caller``: for examples that need a service but no server."""
+    app = create_app(database_url)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://example-service",
+            headers={"X-Caller": caller},
+        ) as http,
+    ):
+        yield http
 
 
 def _connect_args(url: str) -> dict[str, object]:
