@@ -19,11 +19,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
+import httpx
 import pytest
 import redis
 from sqlalchemy import create_engine, delete
@@ -32,9 +34,11 @@ from example_app.app import create_app
 from example_app.demo import serve
 from example_app.proxy import HOST, FaultProxy, FaultRates
 from idempotency_mw.client import (
+    IdempotentClient,
     Journal,
     OperationState,
     RedisJournal,
+    SQLiteJournal,
     SQLJournal,
     journal_table,
     sync_url,
@@ -203,3 +207,30 @@ async def test_a_waiter_answers_with_the_holders_outcome_without_sending(
     assert waited == held
     assert sum(counted.counts.values()) == 0  # the waiter never sent it
     assert service.tickets(ref) == 1
+
+
+@pytest.mark.anyio
+async def test_a_send_that_ends_or_is_cancelled_lets_go_of_its_lease(tmp_path: Path) -> None:
+    hang = anyio.Event()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/hang":
+            await hang.wait()
+        return httpx.Response(201)
+
+    journal = SQLiteJournal(tmp_path / "journal.sqlite3")
+    client = IdempotentClient(
+        http=httpx.AsyncClient(transport=httpx.MockTransport(handle), base_url="http://x"),
+        journal=journal,
+        lease=timedelta(seconds=0.3),
+    )
+    async with client.http, client:
+        done = await client.operation("done")
+        await client.send(done, "POST", "/done")
+        hung = await client.operation("hung")
+        with anyio.move_on_after(0.5):  # renewed meanwhile, then cancelled mid-request
+            await client.send(hung, "POST", "/hang")
+        await anyio.sleep(0.5)  # a renewal left running would hold the lease past this
+        assert journal.acquire(done.key, "another", 30.0)
+        assert journal.acquire(hung.key, "another", 30.0)
+    journal.close()

@@ -6,6 +6,7 @@ import logging
 import threading
 
 from idempotency_mw.client.journals import Journal
+from idempotency_mw.exceptions import describe
 
 logger = logging.getLogger("idempotency_mw.client")
 
@@ -41,7 +42,7 @@ class Renewal:
             try:
                 held = self._journal.acquire(self._key, self._holder, self._seconds)
             except Exception as exc:  # the journal is unreachable: the lease may lapse
-                logger.warning("renewing the lease on %s failed: %s", self._name, exc)
+                logger.warning("renewing the lease on %s failed: %s", self._name, describe(exc))
                 continue
             if not held:
                 logger.warning("the lease on %s was taken over while sending", self._name)

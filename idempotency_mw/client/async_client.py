@@ -212,7 +212,8 @@ class IdempotentClient:
             except Exception as exc:
                 return exc
             finally:
-                await anyio.to_thread.run_sync(renewal.stop)
+                with anyio.CancelScope(shield=True):  # a renewal must never outlive its send
+                    await anyio.to_thread.run_sync(renewal.stop)
         if isinstance(step, Sleep):
             await self._sleep(step.seconds)
             return None

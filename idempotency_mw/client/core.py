@@ -49,7 +49,7 @@ from idempotency_mw.client.values import (
     RequestParts,
     RetryPolicy,
 )
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.exceptions import ConfigurationError, describe
 
 logger = logging.getLogger("idempotency_mw.client")
 
@@ -246,7 +246,9 @@ class Core:
             try:
                 self.journal.release(key, self.holder)
             except Exception as exc:
-                logger.warning("releasing the lease on %s failed: %s", key_digest(key), exc)
+                logger.warning(
+                    "releasing the lease on %s failed: %s", key_digest(key), describe(exc)
+                )
 
     def mark(self, key: str, state: OperationState) -> None:
         """Journal ``state`` for the entry ``key`` (a saga's verdict on it)."""
@@ -438,7 +440,10 @@ class Core:
         try:
             yield from self.exchange(entry, box)
         except RECONCILE_ERRORS as exc:
-            logger.warning("reconcile could not settle %s: %s", key_digest(entry.key), exc)
+            # The error's message holds the key: name only its kind.
+            logger.warning(
+                "reconcile could not settle %s: %s", key_digest(entry.key), type(exc).__name__
+            )
         return box[0]
 
     def _take(self, request: JournalEntry, deadline: float) -> Steps[JournalEntry]:
