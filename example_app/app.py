@@ -20,7 +20,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, Text, func, ins
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from starlette.requests import HTTPConnection
 
-from example_app.orders import orders_metadata, orders_router
+from example_app.orders import add_order_routes, orders_metadata
 from idempotency_mw import IdempotencyMiddleware, SQLStore, idempotent
 from idempotency_mw.cli import upgrade
 from idempotency_mw.stores.sql import async_url
@@ -136,7 +136,7 @@ def create_app(
             )
             return [Ticket(id=r.id, title=r.title, client_ref=r.client_ref) for r in rows]
 
-    app.include_router(orders_router(engine, caller_of))
+    add_order_routes(app.router, engine, caller_of)
     return app
 
 

@@ -103,9 +103,12 @@ class OrderEmail(OrderEmailIn):
     id: int
 
 
-def orders_router(engine: AsyncEngine, caller_of: Callable[[HTTPConnection], str]) -> APIRouter:
-    """The order routes, on the tables of :data:`orders_metadata` in ``engine``'s database."""
-    router = APIRouter()
+def add_order_routes(
+    router: APIRouter, engine: AsyncEngine, caller_of: Callable[[HTTPConnection], str]
+) -> None:
+    """Add the order routes to ``router`` (the app's own: the middleware does not see into
+    routers included with FastAPI's ``include_router``), on the tables of
+    :data:`orders_metadata` in ``engine``'s database."""
 
     @router.post("/inventory/reservations", status_code=201)
     @idempotent(required=True)
@@ -197,8 +200,6 @@ def orders_router(engine: AsyncEngine, caller_of: Callable[[HTTPConnection], str
             )
         (new_id,) = result.inserted_primary_key or (0,)
         return OrderEmail(id=new_id, **email.model_dump())
-
-    return router
 
 
 def _problem(kind: str, title: str, detail: str) -> JSONResponse:
