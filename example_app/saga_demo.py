@@ -27,7 +27,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -37,7 +37,7 @@ from typing import Any, TextIO
 import httpx
 
 from example_app.app import create_app
-from example_app.demo import Progress, format_table, serve
+from example_app.demo import Progress, agent_policy, each_at_most, format_table, positive, serve
 from example_app.orders import UNDELIVERABLE_DOMAIN
 from example_app.proxy import Fault, FaultProxy, FaultRates
 from idempotency_mw.client import (
@@ -70,14 +70,7 @@ class SagaDemoConfig:
     @property
     def policy(self) -> RetryPolicy:
         """The retry policy of both agents (the naive one only ignores its keys)."""
-        return RetryPolicy(
-            max_attempts=6,
-            backoff_base=0.1,
-            backoff_cap=1.0,
-            deadline=20.0,
-            connect_timeout=self.timeout,
-            read_timeout=self.timeout,
-        )
+        return agent_policy(self.timeout, deadline=20.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +151,7 @@ async def saga_agent(
             outcome = await order_saga(client, order).run()
             report(order.ref, outcome.state.value)
 
-        await _each(config, plan_orders(config), place)
+        await each_at_most(config.concurrency, plan_orders(config), place)
 
 
 async def naive_agent(
@@ -215,25 +208,11 @@ async def naive_agent(
     async with httpx.AsyncClient(
         base_url=url, headers={"X-Caller": caller}, timeout=config.timeout
     ) as http:
-        await _each(config, plan_orders(config), place)
+        await each_at_most(config.concurrency, plan_orders(config), place)
 
 
 def _finished(state: Path) -> set[str]:
     return set(state.read_text().split()) if state.exists() else set()
-
-
-async def _each(
-    config: SagaDemoConfig, orders: list[Order], place: Callable[[Order], Awaitable[None]]
-) -> None:
-    pending = iter(orders)
-
-    async def worker() -> None:
-        for order in pending:
-            await place(order)
-
-    async with asyncio.TaskGroup() as group:
-        for _ in range(config.concurrency):
-            group.create_task(worker())
 
 
 AGENTS = {"saga": saga_agent, "naive": naive_agent}
@@ -494,15 +473,6 @@ def _parser() -> argparse.ArgumentParser:
         if not 0.0 <= value <= 1.0:
             raise argparse.ArgumentTypeError(f"must be between 0 and 1: {text}")
         return value
-
-    def positive(kind: Callable[[str], int | float]) -> Callable[[str], int | float]:
-        def parse(text: str) -> int | float:
-            value = kind(text)
-            if not value > 0:
-                raise argparse.ArgumentTypeError(f"must be positive: {text}")
-            return value
-
-        return parse
 
     options: list[tuple[str, Callable[[str], Any], object, str]] = [
         ("orders", positive(int), defaults.orders, "orders placed in each run"),

@@ -12,9 +12,9 @@ import anyio
 import anyio.to_thread
 import httpx
 
+from idempotency_mw.client._base import ClientBase, check_http_options
 from idempotency_mw.client.core import (
     Acquire,
-    Core,
     CoreOptions,
     Get,
     Probe,
@@ -23,7 +23,6 @@ from idempotency_mw.client.core import (
     Send,
     Sleep,
     Steps,
-    check_http_options,
 )
 from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
 from idempotency_mw.client.values import JournalEntry, Operation, OperationState, RequestParts
@@ -35,7 +34,9 @@ T = TypeVar("T")
 AsyncProbe = Callable[[httpx.AsyncClient, JournalEntry], Awaitable[httpx.Response | None]]
 
 
-class IdempotentClient:
+class IdempotentClient(
+    ClientBase[httpx.AsyncClient, AsyncProbe, Callable[[float], Awaitable[None]]]
+):
     """An async client whose non-GET operations are safe to retry.
 
     ``http`` is the httpx client to send with; when omitted, one is made on ``base_url`` with
@@ -67,31 +68,17 @@ class IdempotentClient:
         **options: Unpack[CoreOptions],
     ) -> None:
         check_http_options(http, headers, auth)
-        self._http = (
+        super().__init__(
             http
             if http is not None
-            else httpx.AsyncClient(base_url=base_url, headers=headers, auth=auth)
-        )
-        self._probes = dict(confirm or {})
-        self._core = Core(
-            self._http,
+            else httpx.AsyncClient(base_url=base_url, headers=headers, auth=auth),
             owns_http=http is None,
             journal=journal,
+            confirm=confirm,
+            sleep=sleep,
             clock=clock,
-            probed=frozenset(self._probes),
-            **options,
+            options=options,
         )
-        self._sleep = sleep
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        """The httpx client requests go through (for reads, and for probes)."""
-        return self._http
-
-    @property
-    def journal(self) -> Journal:
-        """The journal of this client's operations."""
-        return self._core.journal
 
     async def operation(self, name: str, *, ref: str | None = None) -> Operation:
         """Decide an operation and journal its new key; with ``ref``, resume the journaled

@@ -16,7 +16,7 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TypeAlias, TypedDict, TypeVar
@@ -528,17 +528,6 @@ class Core:
         if hint is not None:
             return hint if hint < remaining else None
         return self.policy.backoff(attempt, self.rng, limit=remaining)
-
-
-def check_http_options(
-    given: object, headers: Mapping[str, str] | None, auth: httpx.Auth | None
-) -> None:
-    """Raise if ``headers=`` or ``auth=`` come with an httpx client they cannot reach."""
-    if given is not None and (headers is not None or auth is not None):
-        raise ConfigurationError(
-            "headers= and auth= configure the httpx client the client makes:"
-            " set them on the httpx client you give instead"
-        )
 
 
 def check_name(name: str) -> None:

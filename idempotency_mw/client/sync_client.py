@@ -9,10 +9,10 @@ from typing import TypeVar, Unpack
 
 import httpx
 
+from idempotency_mw.client._base import ClientBase, check_http_options
 from idempotency_mw.client._closing import ClosedOnExit
 from idempotency_mw.client.core import (
     Acquire,
-    Core,
     CoreOptions,
     Get,
     Probe,
@@ -21,7 +21,6 @@ from idempotency_mw.client.core import (
     Send,
     Sleep,
     Steps,
-    check_http_options,
 )
 from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
 from idempotency_mw.client.values import JournalEntry, Operation, OperationState, RequestParts
@@ -32,7 +31,9 @@ T = TypeVar("T")
 SyncProbe = Callable[[httpx.Client, JournalEntry], httpx.Response | None]
 
 
-class SyncIdempotentClient(ClosedOnExit):
+class SyncIdempotentClient(
+    ClientBase[httpx.Client, SyncProbe, Callable[[float], None]], ClosedOnExit
+):
     """The blocking twin of :class:`IdempotentClient`, with the same behaviour and options
     (probes in ``confirm`` are plain functions)."""
 
@@ -50,31 +51,17 @@ class SyncIdempotentClient(ClosedOnExit):
         **options: Unpack[CoreOptions],
     ) -> None:
         check_http_options(http, headers, auth)
-        self._http = (
+        super().__init__(
             http
             if http is not None
-            else httpx.Client(base_url=base_url, headers=headers, auth=auth)
-        )
-        self._probes = dict(confirm or {})
-        self._core = Core(
-            self._http,
+            else httpx.Client(base_url=base_url, headers=headers, auth=auth),
             owns_http=http is None,
             journal=journal,
+            confirm=confirm,
+            sleep=sleep,
             clock=clock,
-            probed=frozenset(self._probes),
-            **options,
+            options=options,
         )
-        self._sleep = sleep
-
-    @property
-    def http(self) -> httpx.Client:
-        """The httpx client requests go through (for reads, and for probes)."""
-        return self._http
-
-    @property
-    def journal(self) -> Journal:
-        """The journal of this client's operations."""
-        return self._core.journal
 
     def operation(self, name: str, *, ref: str | None = None) -> Operation:
         """See :meth:`IdempotentClient.operation`."""
