@@ -1,4 +1,5 @@
-"""The example ticket service: create tickets, send notification emails, list tickets.
+"""The example ticket service: create tickets, send notification emails, list tickets; and
+orders (inventory, payments, confirmation emails) from :mod:`example_app.orders`.
 
 Run it with ``uvicorn example_app.app:app``; ``EXAMPLE_DATABASE_URL`` picks the database
 (SQLite file ``./example.db`` by default). Tickets and the idempotency records share it.
@@ -13,7 +14,8 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Annotated
 
-from fastapi import FastAPI, Path, Request, Response
+import httpx
+from fastapi import APIRouter, FastAPI, Path, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -22,7 +24,8 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, Text, func, ins
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from starlette.requests import HTTPConnection
 
-from idempotency_mw import IdempotencyMiddleware, SQLStore, idempotent
+from example_app.orders import add_order_routes, orders_metadata
+from idempotency_mw import IdempotencyMiddleware, SQLStore, fence, idempotent
 from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.migrate import upgrade
@@ -78,8 +81,12 @@ def caller_of(connection: HTTPConnection) -> str:
     return connection.headers.get("x-caller", "anonymous")
 
 
-def create_app(database_url: str | None = None) -> FastAPI:
-    """The ticket service on ``database_url`` (default: ``EXAMPLE_DATABASE_URL`` or SQLite)."""
+def create_app(
+    database_url: str | None = None, *, ticket_ttl: timedelta = timedelta(hours=1)
+) -> FastAPI:
+    """The ticket service on ``database_url`` (default: ``EXAMPLE_DATABASE_URL`` or SQLite),
+    with the order routes of :mod:`example_app.orders`. ``ticket_ttl``: how long a ticket's
+    response is replayed."""
     url = database_url or os.environ.get("EXAMPLE_DATABASE_URL", DEFAULT_DATABASE_URL)
     engine: AsyncEngine = create_async_engine(async_url(url), connect_args=_connect_args(url))
 
@@ -88,6 +95,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
         await upgrade(url)
         async with engine.begin() as conn:
             await conn.run_sync(metadata.create_all)
+            await conn.run_sync(orders_metadata.create_all)
         yield
         await engine.dispose()
 
@@ -117,7 +125,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tickets", status_code=201)
-    @idempotent(ttl=timedelta(hours=1), required=True)
+    @idempotent(ttl=ticket_ttl, required=True)
     async def create_ticket(ticket: TicketIn, request: Request) -> Ticket:
         async with engine.begin() as conn:
             result = await conn.execute(
@@ -125,6 +133,8 @@ def create_app(database_url: str | None = None) -> FastAPI:
                     caller=caller_of(request), title=ticket.title, client_ref=ticket.client_ref
                 )
             )
+            # The ticket and the key's "effect committed" mark: one transaction.
+            await fence(conn)
         (ticket_id,) = result.inserted_primary_key or (0,)
         return Ticket(id=ticket_id, title=ticket.title, client_ref=ticket.client_ref)
 
@@ -137,6 +147,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
             result = await conn.execute(
                 insert(emails).values(ticket_id=ticket_id, recipient=email.recipient)
             )
+            await fence(conn)
         (email_id,) = result.inserted_primary_key or (0,)
         return Email(id=email_id, ticket_id=ticket_id, recipient=email.recipient)
 
@@ -150,7 +161,28 @@ def create_app(database_url: str | None = None) -> FastAPI:
             )
             return [Ticket(id=r.id, title=r.title, client_ref=r.client_ref) for r in rows]
 
+    orders = APIRouter(tags=["orders"])
+    add_order_routes(orders, engine, caller_of)
+    app.include_router(orders)
     return app
+
+
+@asynccontextmanager
+async def in_process(
+    database_url: str | None = None, *, caller: str = "readme"
+) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client on the service run in this process (started and stopped around the
+    block), calling as ``caller``: for examples that need a service but no server."""
+    app = create_app(database_url)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://example-service",
+            headers={"X-Caller": caller},
+        ) as http,
+    ):
+        yield http
 
 
 def _connect_args(url: str) -> dict[str, object]:

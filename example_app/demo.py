@@ -19,12 +19,12 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager, closing, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 import httpx
 import uvicorn
@@ -35,6 +35,7 @@ from example_app.proxy import HOST, Fault, FaultProxy, FaultRates
 from idempotency_mw.client import IdempotentClient, OperationState, OutcomeUnknown, RetryPolicy
 
 FAULTS = (Fault.DROP_REQUEST, Fault.DROP_RESPONSE, Fault.DELAY)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +51,7 @@ class DemoConfig:
     @property
     def policy(self) -> RetryPolicy:
         """The retry policy of both runs (the naive one only ignores its keys)."""
-        return RetryPolicy(
-            max_attempts=6,
-            backoff_base=0.1,
-            backoff_cap=1.0,
-            deadline=30.0,
-            connect_timeout=self.timeout,
-            read_timeout=self.timeout,
-        )
+        return agent_policy(self.timeout, deadline=30.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,15 +272,26 @@ async def _run_all(
     config: DemoConfig, create: Callable[[int], Awaitable[None]], bar: Progress
 ) -> None:
     """``create(i)`` for every operation, ``config.concurrency`` at a time."""
-    pending = iter(range(config.operations))
+
+    async def one(index: int) -> None:
+        await create(index)
+        bar.advance()
+
+    await each_at_most(config.concurrency, range(config.operations), one)
+
+
+async def each_at_most(
+    concurrency: int, items: Iterable[T], work: Callable[[T], Awaitable[None]]
+) -> None:
+    """``work(item)`` for every item, at most ``concurrency`` at a time."""
+    pending = iter(items)
 
     async def worker() -> None:
-        for index in pending:
-            await create(index)
-            bar.advance()
+        for item in pending:
+            await work(item)
 
     async with asyncio.TaskGroup() as group:
-        for _ in range(config.concurrency):
+        for _ in range(concurrency):
             group.create_task(worker())
 
 
@@ -317,20 +322,49 @@ def format_summary(summary: DemoSummary) -> str:
         )
         for run in (summary.naive, summary.idempotent)
     ]
-    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
-    lines = [
-        "  ".join(
-            str(cell).ljust(width) if i == 0 else str(cell).rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in (header, *rows)
-    ]
+    lines = format_table(header, rows)
     verdict = (
         "OK: the idempotent run created every ticket once and confirmed every operation"
         if summary.ok
         else "FAILED: the idempotent run made duplicates or left operations unconfirmed"
     )
     return "\n".join([*lines, "", f"{verdict} ({summary.seconds:.1f}s)"])
+
+
+def format_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> list[str]:
+    """``rows`` under ``header``, as aligned lines: the first column left, the others right."""
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+    return [
+        "  ".join(
+            str(cell).ljust(width) if i == 0 else str(cell).rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in (header, *rows)
+    ]
+
+
+def positive(kind: Callable[[str], int | float]) -> Callable[[str], int | float]:
+    """An argparse type: ``kind`` of the text, which must be positive."""
+
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive: {text}")
+        return value
+
+    return parse
+
+
+def agent_policy(timeout: float, deadline: float) -> RetryPolicy:
+    """The retry policy of the demos' agents (a naive one only ignores its keys)."""
+    return RetryPolicy(
+        max_attempts=6,
+        backoff_base=0.1,
+        backoff_cap=1.0,
+        deadline=deadline,
+        connect_timeout=timeout,
+        read_timeout=timeout,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -340,15 +374,6 @@ def _parser() -> argparse.ArgumentParser:
         description="Create tickets through a faulty network: naive retries, then "
         "IdempotentClient. Exits 0 when the latter made no duplicate and confirmed everything.",
     )
-
-    def positive(kind: Callable[[str], int | float]) -> Callable[[str], int | float]:
-        def parse(text: str) -> int | float:
-            value = kind(text)
-            if not value > 0:
-                raise argparse.ArgumentTypeError(f"must be positive: {text}")
-            return value
-
-        return parse
 
     parser.add_argument(
         "--operations",

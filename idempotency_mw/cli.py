@@ -16,6 +16,7 @@ import json
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from idempotency_mw._version import __version__
@@ -307,6 +308,25 @@ def _run(operation: Awaitable[T], timeout: float) -> T:
     return asyncio.run(bounded())
 
 
+# --- the caller's journal ------------------------------------------------------------------------
+
+
+def _journal_attention(args: argparse.Namespace) -> int:
+    from idempotency_mw.client.attention import attention_rows, format_rows
+    from idempotency_mw.client.journals import open_journal
+
+    where: str = args.journal
+    if "://" not in where and not Path(where).is_file():
+        raise _Failed(f"no journal file at {where}", 2)
+    journal = open_journal(where)
+    try:
+        rows = attention_rows(journal)
+    finally:
+        journal.close()
+    print(format_rows(rows) if rows else f"{PROG}: no operation needs attention")
+    return 0
+
+
 def _one_line(exc: BaseException) -> tuple[str, int]:
     """An error as the shell sees it: one line, and the exit code."""
     if isinstance(exc, _Failed):
@@ -383,6 +403,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     stats = command("stats", _stats, "count records by status, expired ones, the table's size")
     store_options(stats, keyed=False)
+
+    journal = commands.add_parser("journal", help="look into a client's journal")
+    actions = journal.add_subparsers(dest="action", required=True)
+    attention = actions.add_parser(
+        "attention", help="list operations that need a person (confirmation or intervention)"
+    )
+    attention.set_defaults(run=_journal_attention)
+    attention.add_argument(
+        "--journal", required=True, help="SQLite journal path, database URL or redis:// URL"
+    )
     return parser
 
 

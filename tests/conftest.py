@@ -26,6 +26,7 @@ from idempotency_mw import RedisStore, SQLStore, Store
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import metadata
 from idempotency_mw.testing import MemoryStore
+from tests.client_support import FakeTime, Server, sqlite_store_at
 from tests.faults import PostgreSQLServer, RedisServer, StoreServer
 from tests.redis_servers import RedisCluster, RedisSentinel
 from tests.scratch import scratch_database
@@ -299,3 +300,30 @@ def own_store(request: pytest.FixtureRequest) -> StoreServer:
     """A PostgreSQL and a Redis server of the test's own, which it may pause, stop and start."""
     server: StoreServer = request.getfixturevalue(f"own_{request.param}")
     return server
+
+
+# --- The client's tests (tests/client_support.py holds what they build on) -------------------
+
+
+@pytest.fixture
+async def sqlite_store(tmp_path: Path) -> AsyncIterator[SQLStore]:
+    """A SQLStore on a fresh SQLite file."""
+    store = await sqlite_store_at(tmp_path / "idem.db")
+    yield store
+    await store.aclose()
+
+
+@pytest.fixture
+async def server(sqlite_store: SQLStore) -> Server:
+    """A Starlette app behind the middleware on :func:`sqlite_store`."""
+    return Server(sqlite_store)
+
+
+@pytest.fixture
+def fake_time() -> FakeTime:
+    return FakeTime()
+
+
+@pytest.fixture
+def journal_path(tmp_path: Path) -> Path:
+    return tmp_path / "journal.sqlite3"

@@ -10,23 +10,16 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections import Counter
-from collections.abc import AsyncIterator, Callable
+import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-from anyio.abc import TaskGroup
-from sqlalchemy.ext.asyncio import create_async_engine
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from idempotency_mw import ConfigurationError, IdempotencyError, IdempotencyMiddleware, SQLStore
+from idempotency_mw import ConfigurationError, IdempotencyError, SQLStore
 from idempotency_mw.client import (
     IdempotencyKeyMismatch,
     IdempotentClient,
@@ -44,193 +37,19 @@ from idempotency_mw.client import (
 )
 from idempotency_mw.exceptions import StoreError
 from idempotency_mw.records import Claim
-from idempotency_mw.stores.sql import async_url
-from idempotency_mw.stores.sql.schema import metadata
-
-BASE_URL = "http://testserver"
-SERVER_RETRY_AFTER = 7
-#: No jitter, so that the only non-zero waits in a test are the ones a server asked for.
-NO_JITTER = RetryPolicy(backoff_base=0.0)
-
-
-class Crash(BaseException):
-    """The caller's process dying mid-request (not an Exception: nothing may handle it)."""
-
-
-class FakeTime:
-    """An injectable clock whose sleeps return at once and move the clock forward."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.sleeps: list[float] = []
-
-    def clock(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleep_sync(seconds)
-
-    def sleep_sync(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-
-# --- A real app behind the real middleware ---------------------------------------------------
-
-
-class Server:
-    """A Starlette app behind IdempotencyMiddleware; ``calls`` counts handler runs."""
-
-    def __init__(self, store: SQLStore, **options: Any) -> None:
-        self.calls: Counter[str] = Counter()
-        self.entered = anyio.Event()
-        self.opened = anyio.Event()
-        self.app = Starlette(
-            routes=[
-                Route("/tickets", self.tickets, methods=["POST"]),
-                Route("/held", self.held, methods=["POST"]),
-                Route("/big", self.big, methods=["POST"]),
-                Route("/invalid", self.invalid, methods=["POST"]),
-            ],
-            middleware=[
-                Middleware(
-                    IdempotencyMiddleware,
-                    store=store,
-                    retry_after=SERVER_RETRY_AFTER,
-                    max_response_bytes=1000,
-                    **options,
-                )
-            ],
-        )
-
-    async def tickets(self, request: Request) -> Response:
-        self.calls["tickets"] += 1
-        return JSONResponse({"id": self.calls["tickets"], **await request.json()}, 201)
-
-    async def held(self, request: Request) -> Response:
-        self.calls["held"] += 1
-        self.entered.set()
-        await self.opened.wait()
-        return JSONResponse({"id": self.calls["held"]}, 201)
-
-    async def big(self, request: Request) -> Response:
-        self.calls["big"] += 1
-        return Response(b"x" * 5000, 201)
-
-    async def invalid(self, request: Request) -> Response:
-        self.calls["invalid"] += 1
-        return JSONResponse({"error": "no"}, 400)
-
-
-class Faulty(httpx.AsyncBaseTransport):
-    """Forwards to the app, applying one planned fault per request (then ``default``).
-
-    ``drop``: fail before the app sees the request; ``lose``: the app runs, its response is lost
-    to a read timeout; ``detach``: the response is lost once the handler has started (it goes on
-    in ``task_group``, and sets ``handler_entered``); ``crash``: the app runs, then the caller
-    dies. Every request moves the fake clock by ``tick`` seconds.
-    """
-
-    def __init__(
-        self,
-        app: Starlette,
-        plan: list[str] | None = None,
-        *,
-        default: str = "ok",
-        time: FakeTime | None = None,
-        tick: float = 0.0,
-    ) -> None:
-        self.inner = httpx.ASGITransport(app=app)
-        self.plan = list(plan or [])
-        self.default = default
-        self.time = time
-        self.tick = tick
-        self.requests: list[httpx.Request] = []
-        self.task_group: TaskGroup | None = None
-        self.handler_entered: anyio.Event | None = None
-        self.detached_done = anyio.Event()
-
-    @property
-    def keys(self) -> list[str]:
-        return [request.headers["idempotency-key"] for request in self.requests]
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
-        if self.time is not None:
-            self.time.now += self.tick
-        fault = self.plan.pop(0) if self.plan else self.default
-        if fault == "drop":
-            raise httpx.ConnectError("connection refused", request=request)
-        if fault == "detach":
-            assert self.task_group is not None
-            assert self.handler_entered is not None
-            self.task_group.start_soon(self._forward_detached, request)
-            await self.handler_entered.wait()
-            raise httpx.ReadTimeout("read timed out", request=request)
-        response = await self.inner.handle_async_request(request)
-        await response.aread()
-        if fault == "lose":
-            raise httpx.ReadTimeout("read timed out", request=request)
-        if fault == "crash":
-            raise Crash
-        return response
-
-    async def _forward_detached(self, request: httpx.Request) -> None:
-        response = await self.inner.handle_async_request(request)
-        await response.aread()
-        self.detached_done.set()
-
-
-@pytest.fixture
-async def sqlite_store(tmp_path: Path) -> AsyncIterator[SQLStore]:
-    """A SQLStore on a fresh SQLite file."""
-    url = f"sqlite:///{tmp_path / 'idem.db'}"
-    engine = create_async_engine(async_url(url))
-    async with engine.begin() as conn:
-        await conn.run_sync(metadata.create_all)
-    await engine.dispose()
-    store = SQLStore(url)
-    yield store
-    await store.aclose()
-
-
-@pytest.fixture
-async def server(sqlite_store: SQLStore) -> Server:
-    return Server(sqlite_store)
-
-
-@pytest.fixture
-def fake_time() -> FakeTime:
-    return FakeTime()
-
-
-@pytest.fixture
-def journal_path(tmp_path: Path) -> Path:
-    return tmp_path / "journal.sqlite3"
-
-
-def make_client(
-    transport: httpx.AsyncBaseTransport,
-    journal: Any,
-    fake_time: FakeTime,
-    policy: RetryPolicy = NO_JITTER,
-    **options: Any,
-) -> IdempotentClient:
-    return IdempotentClient(
-        http=httpx.AsyncClient(transport=transport, base_url=BASE_URL),
-        journal=journal,
-        policy=policy,
-        sleep=fake_time.sleep,
-        clock=fake_time.clock,
-        **options,
-    )
-
-
-async def close(client: IdempotentClient) -> None:
-    """Close a client made by make_client (its httpx client is the test's to close)."""
-    await client.aclose()
-    await client._http.aclose()
-
+from tests.client_support import (
+    BASE_URL,
+    NO_JITTER,
+    SERVER_RETRY_AFTER,
+    Crash,
+    FakeTime,
+    Faulty,
+    Server,
+    close,
+    make_client,
+    problem,
+    scripted,
+)
 
 # --- Key reuse and the journal against the real middleware -----------------------------------
 
@@ -338,10 +157,14 @@ async def test_same_key_different_request_raises_mismatch(
     sqlite_store: SQLStore, journal_path: Path, fake_time: FakeTime, mismatch_status: int
 ) -> None:
     server = Server(sqlite_store, mismatch_status=mismatch_status)
-    client = make_client(Faulty(server.app), journal_path, fake_time)
+    transport = Faulty(server.app)
+    client = make_client(transport, journal_path, fake_time)
     try:
         op = await client.operation("create-ticket")
-        first = await client.send(op, "POST", "/tickets", json={"title": "a"})
+        # Another caller used the key first, with another request.
+        first = await client.http.post(
+            "/tickets", json={"title": "a"}, headers={"Idempotency-Key": op.key}
+        )
         with pytest.raises(IdempotencyKeyMismatch) as caught:
             await client.send(op, "POST", "/tickets", json={"title": "b"})
         entry = client.journal.get(op.key)
@@ -355,6 +178,29 @@ async def test_same_key_different_request_raises_mismatch(
     assert entry.state is OperationState.FAILED
     assert server.calls["tickets"] == 1
     assert fake_time.sleeps == []
+
+
+@pytest.mark.anyio
+async def test_a_settled_operation_is_answered_from_the_journal_not_sent_again(
+    server: Server, journal_path: Path, fake_time: FakeTime
+) -> None:
+    transport = Faulty(server.app)
+    client = make_client(transport, journal_path, fake_time)
+    try:
+        op = await client.operation("create-ticket", ref="order-17")
+        first = await client.send(op, "POST", "/tickets", json={"title": "a"})
+        again = await client.send(op, "POST", "/tickets", json={"title": "a"})
+        with pytest.raises(IdempotencyKeyMismatch, match="journal holds a different request"):
+            await client.send(op, "POST", "/tickets", json={"title": "b"})
+        entry = client.journal.get(op.key)
+    finally:
+        await close(client)
+    assert (again.status_code, again.json()) == (first.status_code, first.json())
+    assert again.headers["content-type"] == "application/json"
+    assert len(transport.requests) == 1
+    assert server.calls["tickets"] == 1
+    assert entry is not None
+    assert entry.state is OperationState.CONFIRMED
 
 
 @pytest.mark.anyio
@@ -526,21 +372,6 @@ async def test_deadline_gives_outcome_unknown_with_timeouts_capped(
     assert server.calls["tickets"] == 1
 
 
-def scripted(*outcomes: httpx.Response | Exception) -> tuple[httpx.MockTransport, list[str]]:
-    """A transport answering with ``outcomes`` in turn, then 201; and the keys it saw."""
-    pending = list(outcomes)
-    keys: list[str] = []
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        keys.append(request.headers["idempotency-key"])
-        outcome = pending.pop(0) if pending else httpx.Response(201, json={"ok": True})
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    return httpx.MockTransport(handle), keys
-
-
 @pytest.mark.anyio
 async def test_retry_after_beyond_the_deadline_gives_up_without_waiting(
     fake_time: FakeTime,
@@ -609,11 +440,9 @@ def test_invalid_policy_is_a_configuration_error(options: dict[str, Any]) -> Non
 # --- Classification ---------------------------------------------------------------------------
 
 
-def problem(status: int, slug: str, **headers: str) -> httpx.Response:
+def app_problem(status: int, kind: str) -> httpx.Response:
     return httpx.Response(
-        status,
-        headers={"content-type": "application/problem+json", **headers},
-        json={"type": f"urn:idempotency-mw:problem:{slug}", "status": status},
+        status, headers={"content-type": "application/problem+json"}, json={"type": kind}
     )
 
 
@@ -641,11 +470,18 @@ CLASSIFICATION: list[tuple[httpx.Response | Exception, Verdict]] = [
     (problem(409, "mismatch"), Verdict.MISMATCH),
     (problem(422, "mismatch"), Verdict.MISMATCH),
     (problem(409, "not-replayable"), Verdict.NOT_REPLAYABLE),
-    (httpx.ConnectTimeout("t", request=REQUEST), Verdict.RETRY),
+    (problem(409, "committed-without-response"), Verdict.NOT_REPLAYABLE),
+    (httpx.Response(501), Verdict.REJECTED),
+    (httpx.Response(505), Verdict.REJECTED),
+    # An application's own problems are plain 4xx, whatever their type ends with.
+    (app_problem(422, "https://shop.example/problems/currency-mismatch"), Verdict.REJECTED),
+    (app_problem(409, "https://shop.example/problems/in-progress"), Verdict.REJECTED),
+    (app_problem(409, "urn:idempotency-mw:problem:mismatch-of-sorts"), Verdict.REJECTED),
+    (httpx.ConnectTimeout("t", request=REQUEST), Verdict.NOT_SENT),
     (httpx.ReadTimeout("t", request=REQUEST), Verdict.RETRY),
     (httpx.WriteTimeout("t", request=REQUEST), Verdict.RETRY),
-    (httpx.PoolTimeout("t", request=REQUEST), Verdict.RETRY),
-    (httpx.ConnectError("refused", request=REQUEST), Verdict.RETRY),
+    (httpx.PoolTimeout("t", request=REQUEST), Verdict.NOT_SENT),
+    (httpx.ConnectError("refused", request=REQUEST), Verdict.NOT_SENT),
     (httpx.ReadError("reset by peer", request=REQUEST), Verdict.RETRY),
     (httpx.RemoteProtocolError("server disconnected", request=REQUEST), Verdict.RETRY),
     (httpx.UnsupportedProtocol("ftp://", request=REQUEST), Verdict.UNSENDABLE),
@@ -658,7 +494,7 @@ def describe(outcome: httpx.Response | Exception) -> str:
     if isinstance(outcome, Exception):
         return type(outcome).__name__
     slug = outcome.headers.get("content-type", "").endswith("problem+json")
-    return f"{outcome.status_code}{'-' + outcome.json()['type'].rsplit(':')[-1] if slug else ''}"
+    return f"{outcome.status_code}{'-' + outcome.json()['type'] if slug else ''}"
 
 
 @pytest.mark.parametrize(
@@ -673,6 +509,7 @@ EXPECTED: dict[Verdict, tuple[str, OperationState] | type[BaseException]] = {
     Verdict.SUCCEEDED: ("final", OperationState.CONFIRMED),
     Verdict.REJECTED: ("final", OperationState.FAILED),
     Verdict.RETRY: ("retry", OperationState.CONFIRMED),
+    Verdict.NOT_SENT: ("retry", OperationState.CONFIRMED),
     Verdict.MISMATCH: IdempotencyKeyMismatch,
     Verdict.NOT_REPLAYABLE: ResponseNotReplayable,
     Verdict.UNSENDABLE: httpx.TransportError,
@@ -717,7 +554,8 @@ async def test_client_acts_on_the_classification(
     assert set(keys) == {op.key}
     # Retry-After is used as given; other retries wait a jittered 0 (no jitter here).
     hint = retry_after(outcome) if isinstance(outcome, httpx.Response) else None
-    assert fake_time.sleeps == ([hint or 0.0] if verdict is Verdict.RETRY else [])
+    retried = verdict in (Verdict.RETRY, Verdict.NOT_SENT)
+    assert fake_time.sleeps == ([hint or 0.0] if retried else [])
 
 
 @pytest.mark.parametrize(
@@ -901,3 +739,15 @@ def test_sync_client_deadline_then_restart_and_reconcile(
     assert (settled.key, settled.state, settled.status) == (key, OperationState.CONFIRMED, 201)
     assert server.runs == 1
     assert set(server.keys) == {key}
+
+
+def test_the_client_extra_pulls_only_httpx_and_anyio() -> None:
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+
+    def names(extra: str) -> list[str]:
+        return [re.split(r"[<>=\[ ]", requirement)[0] for requirement in extras[extra]]
+
+    assert names("client") == ["httpx", "anyio"]
+    assert names("client-postgresql") == ["idempotency-mw", "psycopg"]
+    assert names("client-mysql") == ["idempotency-mw", "pymysql"]

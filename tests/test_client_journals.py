@@ -7,6 +7,7 @@ of its own, looks only at those, and deletes them afterwards.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,7 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import ConfigurationError, IdempotencyMiddleware, SQLStore
+from idempotency_mw import ConfigurationError, IdempotencyMiddleware, SchemaError, SQLStore
+from idempotency_mw.cli import main as cli
 from idempotency_mw.client import (
     IdempotentClient,
     Journal,
@@ -38,6 +40,9 @@ from idempotency_mw.client import (
     journal_table,
     sync_url,
 )
+from idempotency_mw.client import open_journal as journal_at
+from idempotency_mw.client.core import key_digest
+from idempotency_mw.client.journals import needing_attention
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import metadata
 from tests.conftest import MARIADB_URL, POSTGRESQL_URL, REDIS_URL, require_server
@@ -116,7 +121,8 @@ def pending(prefix: str, n: int, ref: str | None = None, name: str = "op") -> Jo
 
 
 def sent(entry: JournalEntry, state: OperationState = OperationState.SENT) -> JournalEntry:
-    """``entry`` with a request, binary body and repeated headers, in ``state``."""
+    """``entry`` with a request, binary body and repeated headers, in ``state``; settled, with
+    a binary response too."""
     return JournalEntry(
         entry.key,
         entry.name,
@@ -127,6 +133,10 @@ def sent(entry: JournalEntry, state: OperationState = OperationState.SENT) -> Jo
         headers=(("x-trace", "1"), ("x-tag", "a"), ("x-tag", "b")),
         body=bytes(range(256)),
         status=None if state is OperationState.SENT else 503,
+        keyless=state is OperationState.UNKNOWN,
+        first_sent_at=1_800_000_000.123456,  # 2027-01-15 08:00:00 UTC
+        response_headers=(("x-tag", "c"), ("x-tag", "d")) if state.settled else (),
+        response_body=bytes(range(255, -1, -1)) if state.settled else None,
     )
 
 
@@ -209,6 +219,40 @@ def test_unsettled_lists_pending_sent_and_unknown_oldest_first(
     ]
 
 
+def test_unsettled_includes_what_needs_attention(journal: Journal, prefix: str) -> None:
+    needs = [OperationState.NEEDS_CONFIRMATION, OperationState.NEEDS_INTERVENTION]
+    entries = [journal.add(pending(prefix, n)) for n in range(2)]
+    for entry, state in zip(entries, needs, strict=True):
+        journal.save(sent(entry, state))
+    assert [(e.key, e.state) for e in mine(journal.unsettled(), prefix)] == [
+        (entries[0].key, OperationState.NEEDS_CONFIRMATION),
+        (entries[1].key, OperationState.NEEDS_INTERVENTION),
+    ]
+    assert [e.key for e in mine(needing_attention(journal), prefix)] == [e.key for e in entries]
+
+
+def test_a_lease_has_one_holder_until_released_or_lapsed(
+    open_journal: OpenJournal, prefix: str
+) -> None:
+    one, two = open_journal(), open_journal()
+    entry = one.add(pending(prefix, 1, ref="r"))
+    assert one.acquire(entry.key, "holder-1", 30.0)
+    assert one.acquire(entry.key, "holder-1", 30.0)  # renewing, or a statement run twice
+    assert not two.acquire(entry.key, "holder-2", 30.0)
+    two.release(entry.key, "holder-2")  # not the holder: changes nothing
+    assert not two.acquire(entry.key, "holder-2", 30.0)
+    one.release(entry.key, "holder-1")
+    assert two.acquire(entry.key, "holder-2", 0.3)
+    assert not one.acquire(entry.key, "holder-1", 30.0)
+    time.sleep(0.5)  # holder-2 died: its lease lapses
+    assert one.acquire(entry.key, "holder-1", 30.0)
+    assert not two.acquire(entry.key, "holder-2", 30.0)
+    assert not one.acquire(f"{prefix}missing", "holder-1", 30.0)
+    one.save(sent(entry, OperationState.CONFIRMED))  # saving leaves the lease alone
+    assert not two.acquire(entry.key, "holder-2", 30.0)
+    assert two.get(entry.key) == sent(entry, OperationState.CONFIRMED)
+
+
 def test_entries_outlive_the_journal(open_journal: OpenJournal, prefix: str) -> None:
     before = open_journal()
     entry = before.add(pending(prefix, 1, ref="r"))
@@ -247,6 +291,8 @@ class Scoped:
         self.add = inner.add
         self.save = inner.save
         self.get = inner.get
+        self.acquire = inner.acquire
+        self.release = inner.release
         self.close = inner.close
 
     def unsettled(self) -> list[JournalEntry]:
@@ -363,6 +409,33 @@ def test_unsupported_sql_urls_are_configuration_errors(url: str) -> None:
         SQLJournal(url)
 
 
+def test_open_journal_takes_a_path_a_database_url_or_a_redis_url(tmp_path: Path) -> None:
+    journals = [
+        journal_at(tmp_path / "j.sqlite3"),
+        journal_at(f"sqlite:///{tmp_path / 'j.db'}"),
+        journal_at(REDIS_URL),
+    ]
+    for journal in journals:
+        journal.close()
+    assert [type(j) for j in journals] == [SQLiteJournal, SQLJournal, RedisJournal]
+
+
+def test_a_missing_database_driver_names_the_extra_to_install() -> None:
+    with pytest.raises(ConfigurationError, match=r"idempotency-mw\[client-mysql\]"):
+        SQLJournal("mysql+mysqldb://u@h/db")
+
+
+def test_a_journal_table_of_an_older_version_is_a_schema_error(tmp_path: Path) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE idempotency_client_journal (id INTEGER PRIMARY KEY, key TEXT)"
+        )
+    with SQLJournal(engine) as journal, pytest.raises(SchemaError, match="keyless"):
+        journal.get("k")
+    engine.dispose()
+
+
 def test_sql_journal_leaves_a_given_engine_alone(tmp_path: Path, prefix: str) -> None:
     engine = create_engine(f"sqlite:///{tmp_path / 'journal.db'}")
     pool = engine.pool
@@ -394,3 +467,55 @@ def test_redis_journal_never_closes_a_given_client(
 def test_redis_journal_options_are_checked(options: dict[str, object]) -> None:
     with pytest.raises(ConfigurationError):
         RedisJournal(**options)  # type: ignore[arg-type]
+
+
+# --- The attention command ------------------------------------------------------------------
+
+
+def test_journal_attention_lists_what_needs_a_person(
+    prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require_server(POSTGRESQL_URL)
+    with SQLJournal(POSTGRESQL_URL) as journal:
+        entry = journal.add(pending(prefix, 1, ref="order-17"))
+        journal.save(sent(entry, OperationState.NEEDS_CONFIRMATION))
+        settled = journal.add(pending(prefix, 2, ref="order-18"))
+        journal.save(sent(settled, OperationState.CONFIRMED))
+        try:
+            assert cli(["journal", "attention", "--journal", POSTGRESQL_URL]) == 0
+        finally:
+            with journal.engine.begin() as conn:
+                conn.execute(delete(journal_table).where(journal_table.c.name.startswith(prefix)))
+    lines = capsys.readouterr().out.splitlines()
+    mine = [line.split() for line in lines if prefix in line]
+    first_sent = ["2027-01-15", "08:00:00"]
+    digest = key_digest(entry.key)
+    assert mine == [["needs_confirmation", f"{prefix}op", "order-17", "503", *first_sent, digest]]
+    assert entry.key not in "\n".join(lines)  # keys are never printed, only their digests
+
+
+def test_journal_attention_with_nothing_to_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "journal.sqlite3"
+    with SQLiteJournal(path) as journal:
+        assert journal.unsettled() == []
+    assert cli(["journal", "attention", "--journal", str(path)]) == 0
+    assert capsys.readouterr().out == "idempotency-mw: no operation needs attention\n"
+
+
+@pytest.mark.parametrize(
+    ("where", "status", "says"),
+    [
+        ("no/such/journal.sqlite3", 2, "no journal file at"),
+        ("oracle://u@h/db", 2, "unsupported database"),
+        ("postgresql://postgres@127.0.0.1:1/none", 1, "OperationalError"),
+    ],
+)
+def test_journal_attention_errors_are_one_line(
+    where: str, status: int, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli(["journal", "attention", "--journal", where]) == status
+    err = capsys.readouterr().err
+    assert says in err
+    assert err.count("\n") == 1

@@ -16,6 +16,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
+from idempotency_mw._redis_client import binary_client
 from idempotency_mw.exceptions import ConfigurationError, store_error
 from idempotency_mw.records import (
     Claim,
@@ -35,30 +36,6 @@ T = TypeVar("T")
 
 #: A client RedisStore takes: one server (standalone, or a Sentinel's master) or a cluster.
 AsyncClient = redis.asyncio.Redis | RedisCluster
-Client = TypeVar("Client", bound=redis.Redis | redis.asyncio.Redis | RedisCluster)
-
-
-def binary_client(
-    url: str | None,
-    client: Client | None,
-    make: Callable[[str], Client],
-    *,
-    owner: str,
-    holds: str,
-) -> tuple[Client, bool]:
-    """The client to use, made from ``url`` or given, and whether ``owner`` made it."""
-    if (url is None) == (client is None):
-        raise ConfigurationError(f"{owner} needs exactly one of url= or client=")
-    if client is None:
-        try:
-            client = make(str(url))
-        except ValueError as exc:
-            raise ConfigurationError(f"not a Redis URL: {exc}") from exc
-    if client.get_encoder().decode_responses:
-        raise ConfigurationError(
-            f"{owner} needs a Redis client with decode_responses=False: {holds}"
-        )
-    return client, url is not None
 
 
 def _ms(seconds: float) -> int:

@@ -8,15 +8,14 @@ from sqlalchemy import (
     Connection,
     Index,
     Integer,
-    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     String,
     Table,
     inspect,
 )
-from sqlalchemy.dialects import mysql
 
+from idempotency_mw._sqltypes import ExactString, LongBinary
 from idempotency_mw.exceptions import SchemaError
 
 TABLE_NAME = "idempotency_records"
@@ -29,13 +28,6 @@ metadata = MetaData(
         "pk": "pk_%(table_name)s",
     }
 )
-
-#: Case-sensitive text: MySQL/MariaDB compare strings case-insensitively by default.
-ExactString = String(255).with_variant(
-    mysql.VARCHAR(255, collation="utf8mb4_bin"), "mysql", "mariadb"
-)
-#: Bytes of any size: a plain BLOB holds only 64 KiB on MySQL/MariaDB.
-LongBinary = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 
 records = Table(
     TABLE_NAME,

@@ -1,0 +1,38 @@
+"""The check every Redis user of the library shares: a client made from a URL or given, and
+never one that decodes replies (records and journal entries hold bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+import redis.asyncio
+from redis.asyncio.cluster import RedisCluster
+
+from idempotency_mw.exceptions import ConfigurationError
+
+Client = TypeVar("Client", bound=redis.Redis | redis.asyncio.Redis | RedisCluster)
+
+
+def binary_client(
+    url: str | None,
+    client: Client | None,
+    make: Callable[[str], Client],
+    *,
+    owner: str,
+    holds: str,
+) -> tuple[Client, bool]:
+    """The client to use, made from ``url`` or given, and whether ``owner`` made it."""
+    if (url is None) == (client is None):
+        raise ConfigurationError(f"{owner} needs exactly one of url= or client=")
+    if client is None:
+        try:
+            client = make(str(url))
+        except ValueError as exc:
+            raise ConfigurationError(f"not a Redis URL: {exc}") from exc
+    if client.get_encoder().decode_responses:
+        raise ConfigurationError(
+            f"{owner} needs a Redis client with decode_responses=False: {holds}"
+        )
+    return client, url is not None

@@ -1,0 +1,218 @@
+"""IdempotentClient: the async client, performing the core's steps with httpx and anyio."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from types import TracebackType
+from typing import Self, TypeVar, Unpack
+
+import anyio
+import anyio.to_thread
+import httpx
+
+from idempotency_mw.client._base import ClientBase, check_http_options
+from idempotency_mw.client.core import (
+    Acquire,
+    CoreOptions,
+    Get,
+    Probe,
+    Reply,
+    Save,
+    Send,
+    Sleep,
+    Steps,
+)
+from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
+from idempotency_mw.client.values import JournalEntry, Operation, OperationState, RequestParts
+
+T = TypeVar("T")
+
+#: A confirmation probe: looks an operation's effect up (by its ``ref``, typically) and
+#: returns the response that shows it, or ``None`` when it did not happen.
+AsyncProbe = Callable[[httpx.AsyncClient, JournalEntry], Awaitable[httpx.Response | None]]
+
+
+class IdempotentClient(
+    ClientBase[httpx.AsyncClient, AsyncProbe, Callable[[float], Awaitable[None]]]
+):
+    """An async client whose non-GET operations are safe to retry.
+
+    ``http`` is the httpx client to send with; when omitted, one is made on ``base_url`` with
+    ``headers`` and ``auth`` (only that one is closed by :meth:`aclose`). ``journal`` is a
+    :class:`Journal` or the path of a SQLite file. Keys read
+    ``<key_prefix>-<session_id>:<operation>:<sequence>:<random>``.
+
+    ``retention`` (default 23 hours, under the server's default TTL of 24): an operation whose
+    first attempt is older is never re-sent blindly, but looked up by its probe in ``confirm``
+    (operation name → async probe ``(http, entry) -> Response | None``), or marked
+    ``needs_confirmation``. ``keyless=True``: the server does not understand keys, so every lost
+    attempt is confirmed that way before it is re-sent. ``lease`` (default 30 s): how long
+    another process sharing the journal waits for this one to send an operation, renewed while
+    sending. ``policy`` is the :class:`RetryPolicy`; ``header_name``, ``key_prefix`` and
+    ``session_id`` shape keys; ``sleep``, ``clock`` and ``rng`` are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        http: httpx.AsyncClient | None = None,
+        base_url: str = "",
+        headers: Mapping[str, str] | None = None,
+        auth: httpx.Auth | None = None,
+        journal: Journal | str | os.PathLike[str] = DEFAULT_JOURNAL_PATH,
+        confirm: Mapping[str, AsyncProbe] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        **options: Unpack[CoreOptions],
+    ) -> None:
+        check_http_options(http, headers, auth)
+        super().__init__(
+            http
+            if http is not None
+            else httpx.AsyncClient(base_url=base_url, headers=headers, auth=auth),
+            owns_http=http is None,
+            journal=journal,
+            confirm=confirm,
+            sleep=sleep,
+            clock=clock,
+            options=options,
+        )
+
+    async def operation(self, name: str, *, ref: str | None = None) -> Operation:
+        """Decide an operation and journal its new key; with ``ref``, resume the journaled
+        operation of that name and ref (with its key) if there is one."""
+        entry = self._core.new_entry(name, ref)
+        stored = await anyio.to_thread.run_sync(self._core.journal.add, entry)
+        return stored.operation
+
+    async def send(
+        self,
+        operation: Operation,
+        method: str,
+        url: str,
+        *,
+        keyless: bool = False,
+        **parts: Unpack[RequestParts],
+    ) -> httpx.Response:
+        """Send ``operation`` with its key, retrying until its outcome is known.
+
+        Returns a response below 400 (``confirmed``) or a final 4xx, 501 or 505 (``failed``).
+        An operation the journal holds settled is not sent again: its journaled response is
+        returned (or its error raised). Raises :class:`IdempotencyKeyMismatch`,
+        :class:`ResponseNotReplayable` (or its subclass :class:`CommittedWithoutResponse`:
+        it took effect, its response is not available; ``confirmed``), :class:`NotSent` (no
+        attempt left the caller; ``failed``), :class:`OutcomeUnknown` or
+        :class:`NeedsConfirmation`. ``keyless=True``: this server does not understand keys.
+        The body is encoded once and journaled with ``headers`` (not the httpx client's own,
+        so credentials stay out of the journal); attempt timeouts come from the
+        :class:`RetryPolicy`.
+        """
+        entry = self._core.prepare(operation, method, url, parts, keyless)
+        return await self._perform(self._core.exchange(entry))
+
+    async def post(
+        self,
+        url: str,
+        *,
+        operation: str,
+        ref: str | None = None,
+        keyless: bool = False,
+        **parts: Unpack[RequestParts],
+    ) -> httpx.Response:
+        """Decide a POST operation named ``operation`` and send it."""
+        op = await self.operation(operation, ref=ref)
+        return await self.send(op, "POST", url, keyless=keyless, **parts)
+
+    async def reconcile(self) -> list[JournalEntry]:
+        """Settle every journaled operation left pending, sent, unknown or needing
+        confirmation: re-sent with its key, or looked up by its probe when re-sending is unsafe.
+
+        Returns their entries afterwards; errors are logged, not raised. Operations never
+        given a request, and those a saga handed to a person, are skipped.
+        """
+        entries = await anyio.to_thread.run_sync(self._core.resendable)
+        return [await self._perform(self._core.settle(entry)) for entry in entries]
+
+    async def attention(self) -> list[JournalEntry]:
+        """Operations a person has to look at: ``needs_confirmation`` or ``needs_intervention``."""
+        return await anyio.to_thread.run_sync(self._core.attention)
+
+    async def aclose(self) -> None:
+        """Close the httpx client and the journal, if this client opened them."""
+        if self._core.owns_http:
+            await self._http.aclose()
+        if self._core.owns_journal:
+            await anyio.to_thread.run_sync(self._core.journal.close)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # --- For sagas -------------------------------------------------------------------------
+
+    async def _saga_operation(self, name: str, ref: str) -> tuple[Operation, JournalEntry]:
+        stored = await anyio.to_thread.run_sync(
+            self._core.journal.add, self._core.derived_entry(name, ref)
+        )
+        return stored.operation, stored
+
+    async def _resume(self, entry: JournalEntry) -> httpx.Response:
+        return await self._perform(self._core.exchange(entry))
+
+    async def _mark(self, key: str, state: OperationState) -> None:
+        await anyio.to_thread.run_sync(self._core.mark, key, state)
+
+    # --- The driver ------------------------------------------------------------------------
+
+    async def _perform(self, steps: Steps[T]) -> T:
+        held: set[str] = set()
+        reply: Reply = None
+        try:
+            while True:
+                try:
+                    step = steps.send(reply)
+                except StopIteration as done:
+                    result: T = done.value
+                    return result
+                reply = await self._step(step, held)
+        finally:
+            steps.close()
+            if held:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self._core.release, held)
+
+    async def _step(self, step: object, held: set[str]) -> Reply:
+        core, journal = self._core, self._core.journal
+        if isinstance(step, Send):
+            renewal = core.renewal(step.lease)
+            try:
+                return await self._http.send(step.request)
+            except Exception as exc:
+                return exc
+            finally:
+                with anyio.CancelScope(shield=True):  # a renewal must never outlive its send
+                    await anyio.to_thread.run_sync(renewal.stop)
+        if isinstance(step, Sleep):
+            await self._sleep(step.seconds)
+            return None
+        if isinstance(step, Save):
+            await anyio.to_thread.run_sync(journal.save, step.entry)
+            return None
+        if isinstance(step, Get):
+            return await anyio.to_thread.run_sync(journal.get, step.key)
+        if isinstance(step, Acquire):
+            return await anyio.to_thread.run_sync(core.take_lease, step.key, held)
+        assert isinstance(step, Probe)
+        try:
+            return await self._probes[step.entry.name](self._http, step.entry)
+        except Exception as exc:
+            return exc

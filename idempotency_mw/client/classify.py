@@ -1,0 +1,90 @@
+"""What one attempt's response or exception means for its operation."""
+
+from __future__ import annotations
+
+import enum
+import json
+
+import httpx
+
+#: The ``type`` of every problem the middleware answers with, before its slug.
+PROBLEM_TYPE_PREFIX = "urn:idempotency-mw:problem:"
+MISMATCH = PROBLEM_TYPE_PREFIX + "mismatch"
+IN_PROGRESS = PROBLEM_TYPE_PREFIX + "in-progress"
+NOT_REPLAYABLE = PROBLEM_TYPE_PREFIX + "not-replayable"
+COMMITTED_WITHOUT_RESPONSE = PROBLEM_TYPE_PREFIX + "committed-without-response"
+
+
+class Verdict(enum.Enum):
+    """What one attempt's outcome means for the operation."""
+
+    SUCCEEDED = "succeeded"  # < 400: return the response; confirmed
+    REJECTED = "rejected"  # other 4xx, 501, 505: return the response; failed
+    RETRY = "retry"  # outcome unknown: retry with the same key; unknown
+    NOT_SENT = "not-sent"  # nothing left the caller: retry; failed if it never got out
+    MISMATCH = "mismatch"  # raise IdempotencyKeyMismatch; failed
+    NOT_REPLAYABLE = "not-replayable"  # took effect, no response: raise; confirmed
+    UNSENDABLE = "unsendable"  # the request cannot be sent as built: re-raise; failed
+    RAISE = "raise"  # any other exception: re-raise; the journal is left as it is
+
+
+# Raised before a byte of the request was written: connecting, resolving, or waiting for a
+# pooled connection. Every other transport error may come after the server got the request.
+_NOT_SENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_RETRYABLE_ERRORS = (
+    httpx.TimeoutException,
+    httpx.NetworkError,
+    httpx.RemoteProtocolError,
+    httpx.ProxyError,
+)
+_RETRYABLE_STATUSES = frozenset({408, 425, 429})
+#: 5xx that say the request can never succeed as sent, however often it is retried.
+_FINAL_5XX = frozenset({501, 505})
+
+
+def classify(outcome: httpx.Response | Exception) -> Verdict:
+    """The verdict on one attempt's response or exception.
+
+    Problem types are matched exactly: an application's own 409 or 422 is a plain 4xx.
+    """
+    if isinstance(outcome, Exception):
+        if isinstance(outcome, _NOT_SENT_ERRORS):
+            return Verdict.NOT_SENT
+        if isinstance(outcome, _RETRYABLE_ERRORS):
+            return Verdict.RETRY
+        if isinstance(outcome, httpx.TransportError):  # UnsupportedProtocol, LocalProtocolError
+            return Verdict.UNSENDABLE
+        return Verdict.RAISE
+    status = outcome.status_code
+    if status < 400:
+        return Verdict.SUCCEEDED
+    kind = problem_type(outcome) if status in (409, 422) else ""
+    if kind == MISMATCH:
+        return Verdict.MISMATCH
+    if status == 409 and kind == IN_PROGRESS:
+        return Verdict.RETRY
+    if status == 409 and kind in (NOT_REPLAYABLE, COMMITTED_WITHOUT_RESPONSE):
+        return Verdict.NOT_REPLAYABLE
+    if status in _FINAL_5XX:
+        return Verdict.REJECTED
+    if status >= 500 or status in _RETRYABLE_STATUSES:
+        return Verdict.RETRY
+    return Verdict.REJECTED
+
+
+def problem_type(response: httpx.Response) -> str:
+    """The ``type`` of a JSON problem response ('' when the response is not one)."""
+    if "json" not in response.headers.get("content-type", ""):
+        return ""
+    try:
+        body = json.loads(response.content)
+    except ValueError:
+        return ""
+    kind = body.get("type") if isinstance(body, dict) else None
+    return kind if isinstance(kind, str) else ""
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    """``Retry-After`` in seconds, when given in its delay-seconds form."""
+    value = response.headers.get("retry-after", "").strip()
+    return float(value) if value.isascii() and value.isdigit() else None

@@ -1,0 +1,34 @@
+"""Where a client journals its operations: a SQLite file, a SQL database, or Redis."""
+
+from __future__ import annotations
+
+import os
+
+from idempotency_mw.client.journals.base import Journal, needing_attention
+from idempotency_mw.client.journals.redis import RedisJournal
+from idempotency_mw.client.journals.sql import SQLJournal, journal_table, sync_url
+from idempotency_mw.client.journals.sqlite import DEFAULT_JOURNAL_PATH, SQLiteJournal
+
+__all__ = [
+    "DEFAULT_JOURNAL_PATH",
+    "Journal",
+    "RedisJournal",
+    "SQLJournal",
+    "SQLiteJournal",
+    "journal_table",
+    "needing_attention",
+    "open_journal",
+    "sync_url",
+]
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def open_journal(where: str | os.PathLike[str]) -> Journal:
+    """The journal at ``where``: a ``redis://`` URL, a database URL, or a SQLite file's path."""
+    target = os.fspath(where)
+    if target.startswith(_REDIS_SCHEMES):
+        return RedisJournal(target)
+    if "://" in target:
+        return SQLJournal(target)
+    return SQLiteJournal(target)
