@@ -456,6 +456,16 @@ class _Exchange:
             case ClaimOutcome.ACQUIRED:
                 assert claim.token is not None
                 lease = _Lease(self, claim.token, settings.lease, claimed_at)
+                if not await lease.prove_before_start():
+                    # A claim so slow that its lease may already be another's: run nothing.
+                    await self._problem(
+                        Problem.LEASE_LOST,
+                        503,
+                        "The idempotency store could not confirm this request holds its key; "
+                        "nothing ran. Retry with the same key.",
+                        retry=True,
+                    )
+                    return
                 self.emit(EventKind.CLAIM_STARTED)
                 try:
                     await self._execute(body, lease, settings)
@@ -760,14 +770,25 @@ class _Lease:
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
+    async def prove_before_start(self) -> bool:
+        """Whether the lease is proven for long enough to start the handler.
+
+        After a claim that took more than a third of the lease, one renewal comes first: a
+        handler never starts on a lease that may already be another request's.
+        """
+        if self._proven_until - time.monotonic() > self._lease * 2 / 3:
+            return True
+        return await self._renew_once() is True
+
     def watch(self, handler: anyio.CancelScope, recorder: ResponseRecorder) -> None:
-        """Start keeping the lease after a third of it (most requests end sooner)."""
+        """Start keeping the lease a third of it after the claim (most requests end sooner)."""
         loop = asyncio.get_running_loop()
 
         def start() -> None:
             self._task = loop.create_task(self._keep(handler, recorder))
 
-        self._timer = loop.call_later(self._lease / 3, start)
+        first_renewal = self._proven_until - self._lease * 2 / 3
+        self._timer = loop.call_later(max(0.0, first_renewal - time.monotonic()), start)
 
     def stop(self) -> None:
         """Stop renewing: the handler ended."""
@@ -794,25 +815,34 @@ class _Lease:
 
     async def _renew(self) -> None:
         """Renew every third of the lease, quickly again after a failure; end when taken over."""
-        exchange = self._exchange
         while True:
-            sent_at = time.monotonic()
-            try:
-                owned = await exchange.call_store(
-                    "renew",
-                    lambda: exchange.store.renew(
-                        exchange.caller, exchange.key, self.token, lease=self._lease
-                    ),
-                )
-            except StoreError as exc:
-                logger.warning("could not renew the lease of key %s: %s", exchange.key_id, exc)
+            owned = await self._renew_once()
+            if owned is None:
                 await asyncio.sleep(max(0.05, self._lease / 20))
-                continue
-            if not owned:
-                logger.warning("lost the lease of key %s to another request", exchange.key_id)
+            elif not owned:
+                logger.warning("lost the lease of key %s to another request", self._exchange.key_id)
                 return
+            else:
+                await asyncio.sleep(self._lease / 3)
+
+    async def _renew_once(self) -> bool | None:
+        """One renewal: whether the token still owns the key (``None``: the store failed). A
+        success proves the lease from the moment it was sent."""
+        exchange = self._exchange
+        sent_at = time.monotonic()
+        try:
+            owned = await exchange.call_store(
+                "renew",
+                lambda: exchange.store.renew(
+                    exchange.caller, exchange.key, self.token, lease=self._lease
+                ),
+            )
+        except StoreError as exc:
+            logger.warning("could not renew the lease of key %s: %s", exchange.key_id, exc)
+            return None
+        if owned:
             self._proven_until = sent_at + self._lease
-            await asyncio.sleep(self._lease / 3)
+        return owned
 
     def _on_lost(self, handler: anyio.CancelScope, recorder: ResponseRecorder) -> None:
         exchange = self._exchange

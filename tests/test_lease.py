@@ -84,3 +84,22 @@ async def test_a_pause_shorter_than_a_third_of_the_lease_costs_nothing(tmp_path:
     assert answer.status_code == 200
     assert again.headers["idempotent-replayed"] == "true"
     assert app.state.effects == Counter(started=1, done=1)
+
+
+async def test_a_claim_slower_than_the_lease_renews_before_the_handler_starts(
+    tmp_path: Path,
+) -> None:
+    app, store = await stalled_service(tmp_path, lease=0.6)
+    async with client_for(app) as client, anyio.create_task_group() as group:
+        # The claim's reply comes after the whole lease: a renewal proves the key is still
+        # this request's before the handler starts, so it runs to the end.
+        store.pause("claim")
+        group.start_soon(resume_after, store, 0.8)
+        answer = await client.post("/work?seconds=0.4", headers={"Idempotency-Key": "k"})
+    assert answer.status_code == 200
+    assert app.state.effects == Counter(started=1, done=1)
+
+
+async def resume_after(store: PausableStore, delay: float) -> None:
+    await anyio.sleep(delay)
+    store.resume()
