@@ -19,10 +19,11 @@ from typing import NoReturn, TypeVar
 
 import pytest
 import redis.asyncio
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw import RedisStore, SQLStore, Store
+from idempotency_mw.client import journal_table, sync_url
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import metadata
 from idempotency_mw.testing import MemoryStore
@@ -97,6 +98,21 @@ async def fresh_sql_store(url: str) -> SQLStore:
         await conn.execute(text("DELETE FROM idempotency_records"))
     await engine.dispose()
     return SQLStore(url)
+
+
+_JOURNALS_REBUILT: set[str] = set()
+
+
+def fresh_journal_table(url: str) -> None:
+    """Drop a server's client journal table once per session (the journal makes it again), so
+    that a table an older version left behind never stands in for the current one."""
+    if url in _JOURNALS_REBUILT:
+        return
+    engine = create_engine(sync_url(url))
+    with engine.begin() as conn:
+        journal_table.drop(conn, checkfirst=True)
+    engine.dispose()
+    _JOURNALS_REBUILT.add(url)
 
 
 @pytest.fixture

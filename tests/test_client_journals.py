@@ -45,7 +45,13 @@ from idempotency_mw.client.core import key_digest
 from idempotency_mw.client.journals import needing_attention
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import metadata
-from tests.conftest import MARIADB_URL, POSTGRESQL_URL, REDIS_URL, require_server
+from tests.conftest import (
+    MARIADB_URL,
+    POSTGRESQL_URL,
+    REDIS_URL,
+    fresh_journal_table,
+    require_server,
+)
 
 JOURNALS = ["sqlite-file", "sql-sqlite", "sql-postgresql", "sql-mariadb", "redis"]
 SQL_SERVERS = {"sql-postgresql": POSTGRESQL_URL, "sql-mariadb": MARIADB_URL}
@@ -82,6 +88,7 @@ def open_journal(
         url = SQL_SERVERS.get(kind, f"sqlite:///{tmp_path / 'journal.db'}")
         if kind in SQL_SERVERS:
             require_server(url)
+            fresh_journal_table(url)
 
         def make() -> Journal:
             return SQLJournal(url)
@@ -476,6 +483,7 @@ def test_journal_attention_lists_what_needs_a_person(
     prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     require_server(POSTGRESQL_URL)
+    fresh_journal_table(POSTGRESQL_URL)
     with SQLJournal(POSTGRESQL_URL) as journal:
         entry = journal.add(pending(prefix, 1, ref="order-17"))
         journal.save(sent(entry, OperationState.NEEDS_CONFIRMATION))

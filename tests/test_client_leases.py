@@ -43,7 +43,7 @@ from idempotency_mw.client import (
     journal_table,
     sync_url,
 )
-from tests.conftest import POSTGRESQL_URL, REDIS_URL, require_server
+from tests.conftest import POSTGRESQL_URL, REDIS_URL, fresh_journal_table, require_server
 
 LEASE = 1.0  # tests/lease_agent.py
 
@@ -74,6 +74,7 @@ def shared(request: pytest.FixtureRequest) -> Iterator[Shared]:
                 client.delete(*keys)
         return
     require_server(POSTGRESQL_URL)
+    fresh_journal_table(POSTGRESQL_URL)
     journal = SQLJournal(POSTGRESQL_URL)
     yield Shared(POSTGRESQL_URL, prefix, journal)
     journal.close()

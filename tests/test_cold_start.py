@@ -84,7 +84,7 @@ async def test_a_service_starts_and_replaces_workers_while_its_store_is_down(
             # each worker, and are replayed.
             await anyio.to_thread.run_sync(own_store.start)
             ran_on: set[int] = set()
-            keys = ["early", *(f"cold-{n}-{uuid.uuid4().hex}" for n in range(30))]
+            keys = ["early", *(f"cold-{n}-{uuid.uuid4().hex}" for n in range(100))]
             for key in keys:
                 answer, _ = await retry_until_settled(client, "/work", key, within=10, json={})
                 assert answer.status_code == 200, answer.text
