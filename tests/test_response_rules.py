@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import FileResponse, StreamingResponse
-from starlette.types import Message
+from fastapi.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from idempotency_mw import IdempotencyMiddleware, Store
 from tests.apps import client_for, http_scope
@@ -20,6 +20,19 @@ pytestmark = pytest.mark.anyio
 
 def key(value: str) -> dict[str, str]:
     return {"Idempotency-Key": value}
+
+
+class PathSendResponse(Response):
+    """A file sent by path, as Starlette's FileResponse does on servers with the extension
+    (from Starlette 0.42 on; the oldest Starlette allowed sends the bytes instead)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(media_type="text/plain")
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send({"type": "http.response.pathsend", "path": str(self.path)})
 
 
 def app_with(store: Store, tmp_path: Path, **options: Any) -> FastAPI:
@@ -42,9 +55,9 @@ def app_with(store: Store, tmp_path: Path, **options: Any) -> FastAPI:
         return StreamingResponse(chunks(), status_code=status)
 
     @app.post("/file")
-    async def file() -> FileResponse:
+    async def file() -> Response:
         calls["file"] += 1
-        return FileResponse(report)
+        return PathSendResponse(report)
 
     @app.post("/echo-credentials")
     async def echo(request: Request, response: Response) -> dict[str, int]:
@@ -64,7 +77,7 @@ def app_with(store: Store, tmp_path: Path, **options: Any) -> FastAPI:
 
         return StreamingResponse(chunks())
 
-    @app.post("/empty", status_code=204)
+    @app.post("/empty", status_code=204, response_class=Response, response_model=None)
     async def empty() -> None:
         calls["empty"] += 1
 
