@@ -83,6 +83,18 @@ def ticket_service(store: Any, engine: AsyncEngine, **options: Any) -> FastAPI:
             raise HTTPException(500, "failed after its transaction committed")
         return {"id": int(ticket_id[0])}
 
+    async def fenced_ticket(key: str, db: AsyncSession = Depends(session)) -> int:  # noqa: B008
+        async with db.begin():
+            await db.execute(tickets.insert().values(idem_key=key))
+            await fence(db)
+        return 1
+
+    @app.post("/dependency-tickets", status_code=201)
+    async def create_in_a_dependency(
+        created: int = Depends(fenced_ticket),
+    ) -> dict[str, int]:
+        return {"created": created}
+
     @app.post("/sync-tickets", status_code=201)
     def create_sync(key: str) -> dict[str, str]:
         sync_driver = SYNC_DRIVERS[engine.url.get_backend_name()]
@@ -175,6 +187,18 @@ async def test_a_takeover_after_a_lost_lease_commits_once(
     assert answers["first"].status_code == 409
     assert answers["first"].json()["type"].endswith("in-progress")
     assert await count(engine, "k") == 1
+
+
+async def test_fence_in_a_fastapi_dependency(store: PausableStore, engine: AsyncEngine) -> None:
+    app = ticket_service(store, engine)
+    async with client_for(app) as client:
+        answers = [
+            await client.post("/dependency-tickets?key=d", headers={"Idempotency-Key": "d"})
+            for _ in range(2)
+        ]
+    assert answers[0].status_code == 201
+    assert answers[1].headers["idempotent-replayed"] == "true"
+    assert await count(engine, "d") == 1
 
 
 async def test_fence_sync_in_a_sync_endpoint(store: PausableStore, engine: AsyncEngine) -> None:

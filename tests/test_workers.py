@@ -17,7 +17,6 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw.stores.sql import async_url
 from tests.conftest import (
-    POSTGRESQL_URL,
     REDIS_URL,
     SERVER_DATABASES,
     fresh_sql_store,
@@ -32,13 +31,15 @@ WORKERS = 3
 BURST = 30
 
 
-@pytest.fixture(params=["postgresql", "redis", "sqlite"])
+@pytest.fixture(params=["postgresql", "mariadb", "redis", "sqlite"])
 async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "redis":
         require_server(REDIS_URL)
         return REDIS_URL
-    url = POSTGRESQL_URL if request.param == "postgresql" else f"sqlite:///{tmp_path / 'i.db'}"
-    if request.param == "postgresql":
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'i.db'}"
+    else:
+        url = SERVER_DATABASES[request.param]
         require_server(url)
     await (await fresh_sql_store(url)).aclose()
     return url
