@@ -30,8 +30,10 @@ class CurrentClaim:
     token: str
 
 
+#: The request reached a guarded route without a key: there is no claim to fence.
+UNKEYED = "unkeyed"
 #: Set by the middleware around the handler; copied into its tasks and worker threads.
-current_claim: contextvars.ContextVar[CurrentClaim | None] = contextvars.ContextVar(
+current_claim: contextvars.ContextVar[CurrentClaim | str | None] = contextvars.ContextVar(
     "idempotency_mw_current_claim", default=None
 )
 
@@ -43,8 +45,12 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
     ``session`` is an ``AsyncSession`` or ``AsyncConnection`` in a transaction on the database
     of the middleware's ``SQLStore`` (or of ``store``). If another request took the key over,
     :class:`~idempotency_mw.LeaseLost` is raised and the transaction must roll back: the effect
-    is never committed twice. Once committed, the key never runs again within its TTL.
+    is never committed twice. Once committed, the key never runs again within its TTL. A
+    request sent without a key (on a route where the key is optional) has nothing to fence:
+    ``fence`` then does nothing.
     """
+    if current_claim.get() == UNKEYED:
+        return
     claim, target = _claim_and_store(store)
     if not session.in_transaction():
         raise ConfigurationError(
@@ -60,6 +66,8 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
 
 def fence_sync(session: Any, *, store: Store | None = None) -> None:
     """:func:`fence` for a synchronous ``Session`` or ``Connection`` (a sync endpoint)."""
+    if current_claim.get() == UNKEYED:
+        return
     claim, target = _claim_and_store(store)
     if not session.in_transaction():
         raise ConfigurationError(
@@ -74,7 +82,7 @@ def fence_sync(session: Any, *, store: Store | None = None) -> None:
 
 def _claim_and_store(store: Store | None) -> tuple[CurrentClaim, Any]:
     claim = current_claim.get()
-    if claim is None:
+    if not isinstance(claim, CurrentClaim):
         raise ConfigurationError(
             "fence() is only for a request guarded by IdempotencyMiddleware with a key "
             "(none is being handled here)"

@@ -28,7 +28,7 @@ from idempotency_mw._asgi import (
 )
 from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.exceptions import ConfigurationError, LeaseLost, StoreError
-from idempotency_mw.fence import CurrentClaim, current_claim
+from idempotency_mw.fence import UNKEYED, CurrentClaim, current_claim
 from idempotency_mw.fingerprint import canonical_json, credential_digest, request_fingerprint
 from idempotency_mw.lifespan import run_lifespan, store_lifespan
 from idempotency_mw.metrics import Event, EventHook, EventKind, guard, key_hash
@@ -254,7 +254,12 @@ class IdempotencyMiddleware:
                     f"This operation requires {options.header_name}.",
                 )
             else:
-                await self.app(scope, receive, send)
+                # A guarded route without a key: fence() has nothing to mark, and says so.
+                unkeyed = current_claim.set(UNKEYED)
+                try:
+                    await self.app(scope, receive, send)
+                finally:
+                    current_claim.reset(unkeyed)
             return
         key = parse_key(raw_keys[0]) if len(raw_keys) == 1 else None
         if key is None:

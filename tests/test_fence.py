@@ -189,6 +189,16 @@ async def test_a_takeover_after_a_lost_lease_commits_once(
     assert await count(engine, "k") == 1
 
 
+async def test_fence_without_a_key_on_an_optional_route_does_nothing(
+    store: PausableStore, engine: AsyncEngine
+) -> None:
+    app = ticket_service(store, engine)
+    async with client_for(app) as client:
+        answers = [await client.post("/tickets?key=none") for _ in range(2)]
+    assert [answer.status_code for answer in answers] == [201, 201]
+    assert await count(engine, "none") == 2
+
+
 async def test_fence_in_a_fastapi_dependency(store: PausableStore, engine: AsyncEngine) -> None:
     app = ticket_service(store, engine)
     async with client_for(app) as client:
