@@ -199,21 +199,32 @@ class RouteTable:
         self._cache: dict[tuple[str, str, str, str], Resolved | None] = {}
 
     def policy_for(self, method: str, template: str, endpoint: object) -> RoutePolicy | None:
-        """A decorated endpoint's policy, else the mapping's."""
+        """The route's settings, field by field from the most specific source that sets them:
+        the decorator, then an exact entry with the method, without it, then globs (those with
+        the method first, each kind in the order given)."""
+        sources: list[RoutePolicy] = []
         decorated: RoutePolicy | None = getattr(endpoint, _POLICY_ATTRIBUTE, None)
         if decorated is not None:
-            return decorated
-        for key in ((method, template), (None, template)):
-            if key in self._exact:
-                return self._exact[key]
+            sources.append(decorated)
+        sources += [
+            self._exact[key] for key in ((method, template), (None, template)) if key in self._exact
+        ]
         matching = [
             (pattern_method, policy)
             for pattern_method, pattern, policy in self._patterns
             if pattern_method in (None, method) and fnmatch.fnmatchcase(template, pattern)
         ]
-        # Patterns in the order given; one naming the method first.
-        return next((p for m, p in matching if m is not None), None) or next(
-            (p for _, p in matching), None
+        sources += [p for m, p in matching if m is not None]
+        sources += [p for m, p in matching if m is None]
+        if len(sources) <= 1:
+            return sources[0] if sources else None
+        return RoutePolicy(
+            **{
+                field: next(
+                    (getattr(p, field) for p in sources if getattr(p, field) is not None), None
+                )
+                for field in RoutePolicy.__dataclass_fields__
+            }
         )
 
     def unmatched_entries(self, routes: Sequence[RouteInfo]) -> list[str]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
+import sys
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +32,7 @@ from idempotency_mw.client import (
     ResponseNotReplayable,
     RetryPolicy,
     SQLiteJournal,
+    SQLJournal,
     SyncIdempotentClient,
     Verdict,
     classify,
@@ -741,13 +744,39 @@ def test_sync_client_deadline_then_restart_and_reconcile(
     assert set(server.keys) == {key}
 
 
-def test_the_client_extra_pulls_only_httpx_and_anyio() -> None:
+def test_the_client_extra_pulls_httpx_anyio_and_the_journals_sql() -> None:
     pyproject = Path(__file__).parents[1] / "pyproject.toml"
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
 
     def names(extra: str) -> list[str]:
         return [re.split(r"[<>=\[ ]", requirement)[0] for requirement in extras[extra]]
 
-    assert names("client") == ["httpx", "anyio"]
+    assert names("client") == ["idempotency-mw", "httpx", "anyio"]
+    assert extras["client"][0] == "idempotency-mw[sql]"
     assert names("client-postgresql") == ["idempotency-mw", "psycopg"]
     assert names("client-mysql") == ["idempotency-mw", "pymysql"]
+
+
+def test_the_client_extra_is_enough_for_the_default_client(tmp_path: Path) -> None:
+    # What [client] installs (SQLAlchemy, httpx, anyio) and nothing else: redis-py is blocked.
+    program = (
+        "import sys\n"
+        "sys.modules['redis'] = None\n"
+        "from idempotency_mw.client import IdempotentClient, SyncIdempotentClient\n"
+        f"SyncIdempotentClient(base_url='http://x', journal={str(tmp_path / 'j.db')!r}).close()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_journal_given_as_a_url_is_that_database(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    with SyncIdempotentClient(base_url="http://x", journal=url) as client:
+        operation = client.operation("create-ticket", ref="order-17")
+    journal = SQLJournal(url)
+    try:
+        assert journal.get(operation.key) is not None
+    finally:
+        journal.close()

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Host, Route
 
 from idempotency_mw import IdempotencyMiddleware, SQLStore, Store, idempotent
+from idempotency_mw.testing import MemoryStore
 from tests.apps import client_for
 from tests.conftest import fresh_sql_store
 
@@ -266,3 +267,31 @@ async def test_resolution_is_cached_per_method_and_path(sqlite_store: SQLStore) 
     assert first is not None
     assert first.template == "/v1/api/orders"
     assert table.resolve(app, dict(scope)) is first
+
+
+async def test_settings_merge_field_by_field_across_the_decorator_and_the_mapping() -> None:
+    app = FastAPI()
+    runs: list[str] = []
+
+    @app.post("/v1/jobs")
+    @idempotent(ttl=60)  # sets the TTL only: the mapping still requires the key
+    async def start_job() -> dict[str, bool]:
+        runs.append("job")
+        return {"ok": True}
+
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=MemoryStore(),
+        routes={"/v1/*": {"required": True, "ttl": 5}, "POST /v1/jobs": {"lease": 7}},
+    )
+    async with client_for(app) as client:
+        keyless = await client.post("/v1/jobs")
+    assert keyless.status_code == 400
+    assert runs == []
+    policy = IdempotencyMiddleware(
+        app,
+        store=MemoryStore(),
+        routes={"/v1/*": {"required": True, "ttl": 5}, "POST /v1/jobs": {"lease": 7}},
+    ).options.routes.policy_for("POST", "/v1/jobs", start_job)
+    assert policy is not None
+    assert (policy.ttl, policy.required, policy.lease) == (60, True, 7)

@@ -11,6 +11,8 @@ operations forward together or compensates them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from idempotency_mw.client.async_client import AsyncProbe, IdempotentClient
 from idempotency_mw.client.attention import AttentionRow, attention_rows
 from idempotency_mw.client.classify import PROBLEM_TYPE_PREFIX, Verdict, classify, retry_after
@@ -27,7 +29,6 @@ from idempotency_mw.client.errors import (
 from idempotency_mw.client.journals import (
     DEFAULT_JOURNAL_PATH,
     Journal,
-    RedisJournal,
     SQLiteJournal,
     SQLJournal,
     journal_table,
@@ -105,3 +106,16 @@ __all__ = [
     "retry_after",
     "sync_url",
 ]
+
+
+if TYPE_CHECKING:
+    from idempotency_mw.client.journals.redis import RedisJournal
+
+
+def __getattr__(name: str) -> Any:
+    # RedisJournal needs redis-py (the [redis] extra): imported only when asked for.
+    if name == "RedisJournal":
+        from idempotency_mw.client.journals.redis import RedisJournal
+
+        return RedisJournal
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,7 +40,7 @@ from idempotency_mw.client.errors import (
     OutcomeUnknown,
     ResponseNotReplayable,
 )
-from idempotency_mw.client.journals import Journal, SQLiteJournal, needing_attention
+from idempotency_mw.client.journals import Journal, needing_attention, open_journal
 from idempotency_mw.client.values import (
     MAYBE_DELIVERED,
     JournalEntry,
@@ -205,7 +205,7 @@ class Core:
         self.http = http
         self.owns_http = owns_http
         self.owns_journal = not isinstance(journal, Journal)
-        self.journal: Journal = journal if isinstance(journal, Journal) else SQLiteJournal(journal)
+        self.journal: Journal = journal if isinstance(journal, Journal) else open_journal(journal)
         self.policy = policy or RetryPolicy()
         self.header_name = header_name
         self.key_prefix = key_prefix

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from idempotency_mw.client.journals.base import Journal, needing_attention
-from idempotency_mw.client.journals.redis import RedisJournal
 from idempotency_mw.client.journals.sql import SQLJournal, journal_table, sync_url
 from idempotency_mw.client.journals.sqlite import DEFAULT_JOURNAL_PATH, SQLiteJournal
 
@@ -21,13 +21,27 @@ __all__ = [
     "sync_url",
 ]
 
+if TYPE_CHECKING:
+    from idempotency_mw.client.journals.redis import RedisJournal
+
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def __getattr__(name: str) -> Any:
+    # RedisJournal needs redis-py (the [redis] extra): imported only when asked for.
+    if name == "RedisJournal":
+        from idempotency_mw.client.journals.redis import RedisJournal
+
+        return RedisJournal
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_journal(where: str | os.PathLike[str]) -> Journal:
     """The journal at ``where``: a ``redis://`` URL, a database URL, or a SQLite file's path."""
     target = os.fspath(where)
     if target.startswith(_REDIS_SCHEMES):
+        from idempotency_mw.client.journals.redis import RedisJournal
+
         return RedisJournal(target)
     if "://" in target:
         return SQLJournal(target)
