@@ -58,8 +58,12 @@ def _migrate(args: argparse.Namespace) -> int:
     from alembic import command
     from alembic.util.exc import CommandError
 
+    from idempotency_mw.admin import is_redis_url
     from idempotency_mw.stores.sql.migrate import alembic_config
 
+    if is_redis_url(args.url):
+        print(f"{PROG}: Redis keeps no table: nothing to {args.command}")
+        return 0
     config = alembic_config(args.url)
     try:
         if args.command == "migrate":
@@ -68,6 +72,15 @@ def _migrate(args: argparse.Namespace) -> int:
             command.downgrade(config, args.revision)
     except CommandError as exc:  # an unknown revision and the like
         raise _Failed(str(exc), 2) from exc
+    except Exception as exc:
+        if "already exists" not in str(exc):
+            raise
+        raise _Failed(
+            "the table exists, but no revision of it is recorded here: it was made by another "
+            "Alembic history (recipe A) or create_all; keep that history, or record ours in it "
+            "with `alembic stamp idempotency_mw@head`",
+            2,
+        ) from exc
     print(f"{PROG}: {args.command} to {args.revision} done")
     return 0
 
@@ -103,7 +116,8 @@ async def _purged(url: str, batch_size: int) -> str:
         return "Redis expires records by itself (TTL): nothing to purge"
     return (
         f"purged {report.deleted} expired records in {report.seconds:.3f} s "
-        f"({report.batches} batches of at most {batch_size})"
+        f"({report.batches} {'batch' if report.batches == 1 else 'batches'} of at most "
+        f"{batch_size})"
     )
 
 

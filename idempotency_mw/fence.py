@@ -101,8 +101,8 @@ def _check_same_database(store: Any, url: URL) -> None:
         raise ConfigurationError(
             "fence() was given a session on another database than the idempotency store's "
             f"({url.render_as_string(hide_password=True)} is not "
-            f"{store.url.render_as_string(hide_password=True)}); pass store= for the store on "
-            "the session's database"
+            f"{store.url.render_as_string(hide_password=True)}): write the host the same way "
+            "in both URLs, or pass store= for the SQLStore on the session's database"
         )
 
 

@@ -21,26 +21,31 @@ _PROBLEM_SCHEMA = "IdempotencyProblem"
 _PROBLEM_REF = {"$ref": f"#/components/schemas/{_PROBLEM_SCHEMA}"}
 
 
-def document_openapi(app: object, options: Options) -> None:
-    """Wrap ``app.openapi`` (once) so the schema documents what the middleware does.
+def document_openapi(app: object, options: Options, prefix: str = "") -> None:
+    """Wrap ``app.openapi`` (once) so the schema documents what the middleware does; the same
+    for the FastAPI applications mounted in it (under ``prefix``, their mount path).
 
     Routes added later are documented too: the wrapper reads the routes when the schema is made.
     Applications without an ``openapi`` method (plain Starlette) are left alone.
     """
+    for route in getattr(app, "routes", ()):
+        mounted = getattr(route, "app", None)
+        if hasattr(route, "path") and hasattr(mounted, "openapi"):
+            document_openapi(mounted, options, prefix + route.path)
     generate: Callable[[], dict[str, Any]] | None = getattr(app, "openapi", None)
     if generate is None or getattr(generate, _MARK, False):
         return
 
     def openapi() -> dict[str, Any]:
         schema = generate()
-        _document(schema, app, options)
+        _document(schema, app, options, prefix)
         return schema
 
     setattr(openapi, _MARK, True)
     setattr(app, "openapi", openapi)  # noqa: B010  (FastAPI's documented extension point)
 
 
-def _document(schema: dict[str, Any], app: object, options: Options) -> None:
+def _document(schema: dict[str, Any], app: object, options: Options, prefix: str) -> None:
     paths: dict[str, Any] = schema.get("paths", {})
     guarded = False
     for route in app_routes(app):
@@ -49,7 +54,8 @@ def _document(schema: dict[str, Any], app: object, options: Options) -> None:
             operation = operations.get(method.lower())
             if operation is None:
                 continue
-            policy = options.routes.policy_for(method, route.template, route.endpoint)
+            # Policies name the full template, as requests reach it through the mounts.
+            policy = options.routes.policy_for(method, prefix + route.template, route.endpoint)
             _document_operation(
                 operation, options, required=options.defaults.merge(policy).required
             )

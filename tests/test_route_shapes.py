@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Host, Route
 
-from idempotency_mw import IdempotencyMiddleware, SQLStore, Store, idempotent
+from idempotency_mw import IdempotencyMiddleware, SQLStore, Store, idempotent, install
 from idempotency_mw.testing import MemoryStore
 from tests.apps import client_for
 from tests.conftest import fresh_sql_store
@@ -295,3 +295,19 @@ async def test_settings_merge_field_by_field_across_the_decorator_and_the_mappin
     ).options.routes.policy_for("POST", "/v1/jobs", start_job)
     assert policy is not None
     assert (policy.ttl, policy.required, policy.lease) == (60, True, 7)
+
+
+def test_a_mounted_fastapi_sub_app_documents_the_key_it_requires() -> None:
+    app = FastAPI()
+    admin = FastAPI()
+
+    @admin.post("/jobs")
+    async def start_job() -> dict[str, bool]:
+        return {"ok": True}
+
+    app.mount("/admin", admin)
+    install(app, store=MemoryStore(), routes={"/admin/jobs": {"required": True}})
+    operation = admin.openapi()["paths"]["/jobs"]["post"]
+    headers = {p["name"]: p["required"] for p in operation["parameters"]}
+    assert headers["Idempotency-Key"] is True
+    assert "application/problem+json" in operation["responses"]["400"]["content"]
