@@ -21,12 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine
 
 from idempotency_mw import RedisStore, Store, StoredResponse
 from idempotency_mw.cli import main
 from idempotency_mw.records import ClaimOutcome
-from idempotency_mw.stores.sql.schema import metadata
 from tests.conftest import (
     MARIADB_URL,
     PERSISTENT_STORES,
@@ -446,19 +444,6 @@ def test_mariadb_migrations_print_no_server_warnings() -> None:
             )
             assert (result.returncode, result.stderr) == (0, ""), result.stderr
             assert result.stdout.startswith(f"idempotency-mw: {command} to ")
-
-
-def test_migrate_over_a_table_made_by_another_history_names_the_stamp(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    url = f"sqlite:///{tmp_path / 'app.db'}"
-    engine = create_engine(url)
-    metadata.create_all(engine)
-    engine.dispose()
-    assert main(["migrate", "--url", url]) == 2
-    err = capsys.readouterr().err
-    assert "alembic stamp idempotency_mw@head" in err
-    assert len(err.strip().splitlines()) == 1
 
 
 def test_migrate_a_redis_url_has_nothing_to_do(capsys: pytest.CaptureFixture[str]) -> None:

@@ -392,15 +392,18 @@ def test_cli_reports_an_unreachable_database_in_one_line(
 def test_cli_reports_a_failed_statement_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A table made by ``create_all`` (no migration history) makes CREATE TABLE fail."""
+    """A table made by ``create_all`` (no migration history) makes CREATE TABLE fail: one line
+    that names the way out."""
     url = f"sqlite:///{tmp_path / 'app.db'}"
     engine = create_engine(url)
     try:
         metadata.create_all(engine)
     finally:
         engine.dispose()
-    assert main(["migrate", "--url", url]) == 1
-    _assert_one_line_error(capsys.readouterr().err)
+    assert main(["migrate", "--url", url]) == 2
+    err = capsys.readouterr().err
+    _assert_one_line_error(err)
+    assert "alembic stamp idempotency_mw@head" in err
 
 
 # --- an application's own Alembic project -----------------------------------------------------
