@@ -172,8 +172,9 @@ class SQLAlchemyDriver:
         """The driver's own connection, made as the engine makes its connections, taken out of
         its pool for good: the caller closes it."""
         pooled = await self._engine.raw_connection()
+        connection = pooled.driver_connection
         pooled.detach()
-        return pooled.driver_connection
+        return connection
 
     async def aclose(self) -> None:
         if self._owned:
