@@ -273,13 +273,15 @@ async def until_listeners(server: StoreServer, count: int) -> None:
             await anyio.sleep(0.05)
 
 
+@pytest.mark.parametrize("lifespan", [True, False], ids=["closes-store", "leaves-store"])
 async def test_the_middleware_listens_once_a_request_waits_and_stops_at_shutdown(
-    own_store: StoreServer,
+    own_store: StoreServer, lifespan: bool
 ) -> None:
     store: Store = (
         RedisStore(own_store.url) if own_store.url.startswith("redis") else SQLStore(own_store.url)
     )
-    app = make_app(store, wait=5)
+    # lifespan=False: the store outlives the app (the service closes it), its feed does not.
+    app = make_app(store, wait=5, lifespan=lifespan)
     gate = app.state.gate
     answers: list[httpx.Response] = []
     async with LifespanManager(app), client_for(app) as client:
@@ -296,7 +298,10 @@ async def test_the_middleware_listens_once_a_request_waits_and_stops_at_shutdown
             gate.opened.set()
         assert [answer.status_code for answer in answers] == [200, 200]
         assert await feed_listeners(own_store) == 1  # one per middleware, for later waiters
-    await until_listeners(own_store, 0)
+    try:
+        await until_listeners(own_store, 0)
+    finally:
+        await store.aclose()
 
 
 # ---------------------------------------------------------- a waiter in another worker process
