@@ -23,6 +23,12 @@ class LeaseLost(IdempotencyError):
     raised by :func:`~idempotency_mw.fence` so that the application's transaction rolls back."""
 
 
+class SettlementFeedUnsupported(IdempotencyError):
+    """The store's backend cannot announce settled records (SQLite, MariaDB/MySQL, a
+    PostgreSQL driver other than asyncpg): requests that wait for a key poll the store instead.
+    The message says why."""
+
+
 class SchemaError(StoreError):
     """The idempotency table is missing or older than this version of the library expects."""
 

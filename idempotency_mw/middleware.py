@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
+from contextvars import Context
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -27,7 +29,12 @@ from idempotency_mw._asgi import (
     send_replay,
 )
 from idempotency_mw.cleanup import PurgeSchedule
-from idempotency_mw.exceptions import ConfigurationError, LeaseLost, StoreError
+from idempotency_mw.exceptions import (
+    ConfigurationError,
+    LeaseLost,
+    SettlementFeedUnsupported,
+    StoreError,
+)
 from idempotency_mw.fence import UNKEYED, CurrentClaim, current_claim
 from idempotency_mw.fingerprint import canonical_json, credential_digest, request_fingerprint
 from idempotency_mw.lifespan import run_lifespan, store_lifespan
@@ -46,7 +53,7 @@ from idempotency_mw.policy import (
 )
 from idempotency_mw.problems import Problem, send_http_problem, send_problem
 from idempotency_mw.records import ClaimOutcome
-from idempotency_mw.stores.base import Store
+from idempotency_mw.stores.base import SettlementFeed, Store
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -215,7 +222,7 @@ class IdempotencyMiddleware:
             on_event=None if on_event is None else guard(on_event),
         )
         self._documented: set[int] = set()
-        self._settlements = _Settlements()
+        self._settlements = _Settlements(store)
 
     @property
     def store(self) -> Store:
@@ -294,10 +301,12 @@ class IdempotencyMiddleware:
         unmatched = self.options.routes.unmatched_entries(app_routes(app))
         if unmatched:
             logger.warning("routes= entries that match no route of the app: %s", unmatched)
-        if not self.options.lifespan:
-            yield
-            return
-        async with store_lifespan(self.options.store, purge=self.options.purge):
+        async with AsyncExitStack() as stack:
+            if self.options.lifespan:
+                await stack.enter_async_context(
+                    store_lifespan(self.options.store, purge=self.options.purge)
+                )
+            stack.push_async_callback(self._settlements.stop)  # before the store closes
             yield
 
 
@@ -419,8 +428,9 @@ class _Exchange:
         )
         binding = self._binding()
         # A duplicate that finds the key in progress waits up to settings.wait for its outcome:
-        # woken at once by a request of this worker that settles the key, else polling with
-        # backoff (holding no connection in between).
+        # woken at once when a request of this worker settles the key, or of any worker when the
+        # store offers a settlement feed, and polling with backoff (holding no connection in
+        # between) in case no news comes.
         deadline = time.monotonic() + settings.wait
         pause = _FIRST_POLL
         try:
@@ -440,9 +450,9 @@ class _Exchange:
                 if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:
                     break
                 await self.settlements.wait(
-                    (self.caller, self.key), min(pause, deadline - claimed_at)
+                    self.key_id, min(pause, deadline - claimed_at), since=claimed_at
                 )
-                pause = min(pause * 2, _LAST_POLL)
+                pause = min(pause * 2, self.settlements.longest_pause)
         except StoreError as exc:
             logger.warning("idempotency store failed to claim key %s: %s", self.key_id, exc)
             if options.fail_open:
@@ -657,7 +667,7 @@ class _Exchange:
         try:
             await self._record_or_release(token, recorder, settings)
         finally:
-            self.settlements.settled((self.caller, self.key))
+            self.settlements.settled(self.key_id)
 
     async def _record_or_release(
         self, token: str, recorder: ResponseRecorder, settings: Settings
@@ -724,36 +734,92 @@ _OUTCOME_EVENTS = {
 
 
 _FIRST_POLL = 0.02
+#: The longest pause between two polls of a waiting request: without a settlement feed, and
+#: with one, when polling only makes up for news that got lost.
 _LAST_POLL = 0.5
+_LAST_POLL_FED = 2.0
+#: How long a settlement is remembered for a claim that was on its way when the news came.
+_REMEMBERED = 1.0
 
 
 class _Settlements:
-    """Requests of this worker waiting for a key that another request of this worker holds."""
+    """Requests of this worker waiting for a key in progress, woken when it is settled.
 
-    def __init__(self) -> None:
-        self._waiting: dict[tuple[str, str], tuple[asyncio.Event, int]] = {}
+    A request of this worker that settles a key wakes its waiters itself. When the store offers
+    a :class:`~idempotency_mw.stores.base.SettlementFeed`, the first request that waits starts
+    one watcher per event loop, which wakes them when any worker settles their key. Keys are
+    known by their digest (:func:`~idempotency_mw.metrics.key_hash`).
+    """
 
-    async def wait(self, record: tuple[str, str], seconds: float) -> None:
-        """Until ``record`` is settled here, or ``seconds`` have passed."""
-        event, waiters = self._waiting.get(record, (asyncio.Event(), 0))
-        self._waiting[record] = (event, waiters + 1)
+    def __init__(self, store: Store) -> None:
+        self._feed = store if isinstance(store, SettlementFeed) else None
+        self._watcher: asyncio.Task[None] | None = None
+        self._waiting: dict[str, tuple[asyncio.Event, int]] = {}
+        self._recent: dict[str, float] = {}
+
+    @property
+    def longest_pause(self) -> float:
+        """The longest pause between two polls: longer while a feed brings the news."""
+        return _LAST_POLL if self._feed is None else _LAST_POLL_FED
+
+    async def wait(self, digest: str, seconds: float, *, since: float) -> None:
+        """Until ``digest`` is settled, or ``seconds`` have passed; not at all if it was settled
+        after ``since`` (``time.monotonic()`` when the claim that found it in progress began)."""
+        self._watch()
+        if self._recent.get(digest, -math.inf) >= since:
+            return
+        event, waiters = self._waiting.get(digest, (asyncio.Event(), 0))
+        self._waiting[digest] = (event, waiters + 1)
         try:
             await asyncio.wait_for(event.wait(), seconds)
         except TimeoutError:
             pass
         finally:
-            current = self._waiting.get(record)
+            current = self._waiting.get(digest)
             if current is not None and current[0] is event:
                 if current[1] <= 1:
-                    del self._waiting[record]
+                    del self._waiting[digest]
                 else:
-                    self._waiting[record] = (event, current[1] - 1)
+                    self._waiting[digest] = (event, current[1] - 1)
 
-    def settled(self, record: tuple[str, str]) -> None:
-        """Wake whoever waits for ``record``."""
-        entry = self._waiting.pop(record, None)
+    def settled(self, digest: str) -> None:
+        """Wake whoever waits for ``digest``."""
+        now = time.monotonic()
+        recent = self._recent
+        recent.pop(digest, None)
+        recent[digest] = now  # last in order: the oldest come first
+        while (oldest := next(iter(recent))) != digest and recent[oldest] < now - _REMEMBERED:
+            del recent[oldest]
+        entry = self._waiting.pop(digest, None)
         if entry is not None:
             entry[0].set()
+
+    def _watch(self) -> None:
+        """Start the feed's watcher in this event loop, unless it runs already."""
+        if self._feed is None:
+            return
+        loop = asyncio.get_running_loop()
+        watcher = self._watcher
+        if watcher is None or watcher.done() or watcher.get_loop() is not loop:
+            # A context of its own: the watcher outlives the request that starts it.
+            self._watcher = loop.create_task(self._follow(self._feed), context=Context())
+
+    async def _follow(self, feed: SettlementFeed) -> None:
+        try:
+            await feed.watch_settlements(self.settled)
+        except SettlementFeedUnsupported as exc:
+            logger.info("%s", exc)
+            self._feed = None
+        except Exception:
+            logger.exception("the settlement feed of %r failed; waiting requests poll it", feed)
+            self._feed = None
+
+    async def stop(self) -> None:
+        """Stop the watcher of this event loop (at shutdown)."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher.get_loop() is asyncio.get_running_loop():
+            watcher.cancel()
+            await asyncio.wait({watcher})
 
 
 class _Lease:

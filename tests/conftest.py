@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import pytest
 import redis.asyncio
@@ -83,7 +83,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 _REBUILT: set[str] = set()
 
 
-async def fresh_sql_store(url: str) -> SQLStore:
+async def fresh_sql_store(url: str, **options: Any) -> SQLStore:
     """A SQLStore on an empty idempotency table at ``url``.
 
     A server's table is rebuilt from the model once per session, so a table that an older
@@ -97,7 +97,7 @@ async def fresh_sql_store(url: str) -> SQLStore:
         await conn.run_sync(metadata.create_all)
         await conn.execute(text("DELETE FROM idempotency_records"))
     await engine.dispose()
-    return SQLStore(url)
+    return SQLStore(url, **options)
 
 
 _JOURNALS_REBUILT: set[str] = set()
@@ -194,7 +194,9 @@ STORES = [f"{database}-url" for database in DATABASES] + ["redis-url", "memory"]
 
 
 @asynccontextmanager
-async def built_store(path: str, request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+async def built_store(
+    path: str, request: pytest.FixtureRequest, *, settlement_notices: bool = False
+) -> AsyncIterator[Store]:
     """An empty store built the way ``path`` names; what the test opened is closed after."""
     backend, _, how = path.partition("-")
     if backend == "memory":
@@ -209,14 +211,14 @@ async def built_store(path: str, request: pytest.FixtureRequest) -> AsyncIterato
     else:
         url = SERVER_DATABASES[backend]
         require_server(url)
-    sql_store = await fresh_sql_store(url)
+    await (await fresh_sql_store(url)).aclose()
     if how == "url":
+        sql_store = SQLStore(url, settlement_notices=settlement_notices)
         yield sql_store
         await sql_store.aclose()
         return
-    await sql_store.aclose()
     engine = create_async_engine(async_url(url))
-    yield SQLStore(engine)
+    yield SQLStore(engine, settlement_notices=settlement_notices)
     await engine.dispose()
 
 

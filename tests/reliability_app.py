@@ -11,11 +11,14 @@ Under uvicorn (``uvicorn --factory tests.reliability_app:create_app``, or the mo
 
 - ``RELIABILITY_STORE``: the store's URL (SQLite, PostgreSQL, MariaDB or Redis);
 - ``RELIABILITY_REDIS_PREFIX``: the Redis key prefix (default ``idem:``);
+- ``RELIABILITY_REDIS_CLUSTER``: ``1`` when the Redis URL names a node of a cluster;
 - ``RELIABILITY_EFFECTS``: the SQLite file handlers log their runs to;
 - ``RELIABILITY_LEASE``: the lease in seconds (default 1);
 - ``RELIABILITY_DELAY``: how long ``POST /work`` sleeps before its side effect (default 0);
 - ``RELIABILITY_WAIT``: how long a duplicate waits for the first request's outcome (default 0);
-- ``RELIABILITY_ON_LEASE_LOST``: the middleware's ``on_lease_lost`` (its default when unset).
+- ``RELIABILITY_ON_LEASE_LOST``: the middleware's ``on_lease_lost`` (its default when unset);
+- ``RELIABILITY_POLL_CAP``: the longest pause between two polls of a waiting duplicate, in
+  seconds: a large one shows that what woke it was the store's notification, not a poll.
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ from sqlalchemy import Column, Integer, MetaData, String, Table
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from starlette.requests import HTTPConnection
 
-from idempotency_mw import IdempotencyMiddleware, RedisStore, SQLStore, Store, fence, idempotent
+from idempotency_mw import (
+    IdempotencyMiddleware,
+    RedisStore,
+    SQLStore,
+    Store,
+    fence,
+    idempotent,
+    middleware,
+)
 
 KEY_HEADER = "idempotency-key"
 
@@ -174,10 +185,10 @@ def _add_fenced_route(app: FastAPI, store: SQLStore) -> None:
         return {"pid": os.getpid()}
 
 
-def store_from_url(url: str, redis_prefix: str = "idem:") -> Store:
+def store_from_url(url: str, redis_prefix: str = "idem:", *, cluster: bool = False) -> Store:
     if url.startswith("redis"):
-        return RedisStore(url, prefix=redis_prefix, socket_timeout=2)
-    return SQLStore(url, operation_timeout=2)
+        return RedisStore(url, prefix=redis_prefix, socket_timeout=2, cluster=cluster)
+    return SQLStore(url, operation_timeout=2, settlement_notices=True)
 
 
 def create_app(
@@ -192,7 +203,9 @@ def create_app(
     env = os.environ
     if store is None:
         store = store_from_url(
-            env["RELIABILITY_STORE"], env.get("RELIABILITY_REDIS_PREFIX", "idem:")
+            env["RELIABILITY_STORE"],
+            env.get("RELIABILITY_REDIS_PREFIX", "idem:"),
+            cluster=env.get("RELIABILITY_REDIS_CLUSTER") == "1",
         )
     if effects is None:
         effects = Effects(env["RELIABILITY_EFFECTS"])
@@ -200,6 +213,9 @@ def create_app(
     options.setdefault("wait", float(env.get("RELIABILITY_WAIT", "0")))
     if "RELIABILITY_ON_LEASE_LOST" in env:
         options.setdefault("on_lease_lost", env["RELIABILITY_ON_LEASE_LOST"])
+    if "RELIABILITY_POLL_CAP" in env:
+        # With a settlement feed and without (the latter is all an older version knows).
+        middleware._LAST_POLL = middleware._LAST_POLL_FED = float(env["RELIABILITY_POLL_CAP"])
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, lease=lease, scope=caller_of, **options)
     app.state.effects = effects

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from idempotency_mw.records import Claim, StoredResponse, new_token
@@ -42,6 +43,8 @@ class Store(Protocol):
     finds the record in progress under its own token answers ``ACQUIRED`` with that token again.
 
     Backend failures raise :class:`~idempotency_mw.exceptions.StoreError`.
+
+    A store may also offer :class:`SettlementFeed`, which is optional: no store has to.
     """
 
     async def claim(
@@ -89,6 +92,30 @@ class Store(Protocol):
 
     async def aclose(self) -> None:
         """Release what the store opened itself; never what it was given."""
+        ...
+
+
+@runtime_checkable
+class SettlementFeed(Protocol):
+    """An optional capability of a store: news of records settled by any worker.
+
+    Not part of :class:`Store`. A store offers it when its backend can push changes
+    (PostgreSQL LISTEN/NOTIFY, Redis pub/sub); the middleware then wakes a request that waits
+    for a key (``wait=``) as soon as any worker completes or releases it, and otherwise polls.
+    """
+
+    async def watch_settlements(self, on_settled: Callable[[str], None]) -> None:
+        """Call ``on_settled(digest)`` each time any worker completes or releases a record,
+        until cancelled or until the store is closed (then it returns).
+
+        ``digest`` is :func:`~idempotency_mw.metrics.key_hash` of the record's scope and key,
+        never the key. News is best effort: a notification sent while the listening
+        connection is down is lost, and a digest may be repeated or shared by two keys, so a
+        waiter always checks the record itself. A lost connection is logged and opened again
+        with capped backoff; it never ends the watch. Raises
+        :class:`~idempotency_mw.exceptions.SettlementFeedUnsupported` when this store's backend
+        cannot (e.g. a SQLStore on SQLite).
+        """
         ...
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -9,8 +10,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import UnixDomainSocketConnection, parse_url
+from redis.asyncio.connection import ConnectionPool, UnixDomainSocketConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -18,6 +20,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from idempotency_mw._redis_client import binary_client
 from idempotency_mw.exceptions import ConfigurationError, store_error
+from idempotency_mw.metrics import key_hash
 from idempotency_mw.records import (
     Claim,
     ClaimOutcome,
@@ -27,6 +30,7 @@ from idempotency_mw.records import (
     unpack_headers,
 )
 from idempotency_mw.stores.base import ClaimsWithToken
+from idempotency_mw.stores.feed import CHECK_AFTER, Feeds
 from idempotency_mw.stores.redis import scripts
 from idempotency_mw.stores.redis.resp import Address, Arg, PipelinedConnection
 from idempotency_mw.stores.redis.scripts import Script
@@ -54,6 +58,10 @@ class RedisStore(ClaimsWithToken):
     Sentinel's ``master_for(...)``, or ``redis.asyncio.RedisCluster``, with
     ``decode_responses=False``) is used as it is and never closed. Keys are ``prefix`` plus a
     digest of scope and key in braces, so a record lives in one cluster slot.
+
+    The store offers a :class:`~idempotency_mw.stores.base.SettlementFeed`: the scripts that
+    complete and release a record PUBLISH its digest on the channel ``<prefix>settled``, and
+    :meth:`watch_settlements` subscribes to it on a connection of its own.
     """
 
     def __init__(
@@ -97,6 +105,8 @@ class RedisStore(ClaimsWithToken):
         self._pipe = (
             None if address is None else PipelinedConnection(address, timeout=socket_timeout)
         )
+        self._channel = f"{prefix}settled"
+        self._feeds = Feeds()
 
     def __repr__(self) -> str:
         return f"RedisStore({self._where})"
@@ -158,7 +168,7 @@ class RedisStore(ClaimsWithToken):
     async def complete(
         self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
     ) -> bool:
-        args: list[Arg] = [token, _ms(ttl)]
+        args: list[Arg] = [token, _ms(ttl), self._channel, key_hash(scope, key)]
         if response is None:
             args.append(RecordStatus.UNREPLAYABLE.value)
         else:
@@ -173,7 +183,16 @@ class RedisStore(ClaimsWithToken):
         )
 
     async def release(self, scope: str, key: str, token: str) -> bool:
-        return bool(await self._run("release", scripts.RELEASE, self.redis_key(scope, key), token))
+        return bool(
+            await self._run(
+                "release",
+                scripts.RELEASE,
+                self.redis_key(scope, key),
+                token,
+                self._channel,
+                key_hash(scope, key),
+            )
+        )
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
         """Nothing to do: Redis deletes records when their TTL ends."""
@@ -195,7 +214,48 @@ class RedisStore(ClaimsWithToken):
 
         await self._call("startup check", check)
 
+    async def watch_settlements(self, on_settled: Callable[[str], None]) -> None:
+        """Pass the digest of each record any worker settles to ``on_settled``, until cancelled
+        or closed (see :class:`~idempotency_mw.stores.base.SettlementFeed`).
+
+        One connection of its own subscribes to ``<prefix>settled``, opened here and again
+        after a loss; on a cluster, to one node (every node relays a PUBLISH).
+        """
+        await self._feeds.run(repr(self), lambda: self._listen(on_settled))
+
+    async def _listen(self, on_settled: Callable[[str], None]) -> None:
+        """Relay the channel's messages until the connection is lost (then raise), pinging it
+        after ``CHECK_AFTER`` seconds of silence."""
+        pool = None
+        if isinstance(self._client, RedisCluster):
+            await self._client.initialize()
+            node = self._client.get_random_node()
+            pool = ConnectionPool(connection_class=node.connection_class, **node.connection_kwargs)
+            pubsub = PubSub(pool)
+        else:
+            pubsub = self._client.pubsub()
+        try:
+            async with asyncio.timeout(self._timeout):
+                await pubsub.subscribe(self._channel)
+            pinged = False
+            while True:
+                message = await pubsub.get_message(timeout=CHECK_AFTER)
+                if message is None:
+                    if pinged:
+                        raise RedisConnectionError("no answer to a ping within the check")
+                    await pubsub.ping()
+                    pinged = True
+                    continue
+                pinged = False
+                if message["type"] == "message":
+                    on_settled(_text(message["data"]))
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            if pool is not None:
+                await pool.disconnect()
+
     async def aclose(self) -> None:
+        await self._feeds.close()
         if self._pipe is not None:
             await self._pipe.aclose()
         if self._owns_client:

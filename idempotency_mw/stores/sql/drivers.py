@@ -140,6 +140,7 @@ class SQLAlchemyDriver:
 
     def __init__(self, engine: AsyncEngine, *, owned: bool, in_autocommit: bool = False) -> None:
         self.dialect_name = engine.dialect.name
+        self.driver_name = engine.dialect.driver
         self.url = engine.url
         # Some drivers raise their own errors past SQLAlchemy (while a connection is set up).
         self.errors = (SQLAlchemyError, engine.dialect.loaded_dbapi.Error)
@@ -166,6 +167,14 @@ class SQLAlchemyDriver:
                 return await conn.run_sync(operation)
 
         return await _with_reruns(run, _deadlock)
+
+    async def detached_connection(self) -> Any:
+        """The driver's own connection, made as the engine makes its connections, taken out of
+        its pool for good: the caller closes it."""
+        pooled = await self._engine.raw_connection()
+        connection = pooled.driver_connection
+        pooled.detach()
+        return connection
 
     async def aclose(self) -> None:
         if self._owned:
@@ -232,14 +241,20 @@ class AsyncpgDriver(_PooledDriver):
 
         super().__init__(url, postgresql.asyncpg.dialect(), "postgresql")  # type: ignore[no-untyped-call]
         self.errors = (asyncpg.PostgresError, asyncpg.InterfaceError, SQLAlchemyError)
+        self._dsn = url.set(drivername="postgresql").render_as_string(False)
 
     async def _open_pool(self) -> Any:
         import asyncpg
 
-        dsn = self.url.set(drivername="postgresql").render_as_string(False)
         # The store sets no session state, so returning a connection to the pool needs no
         # reset query (asyncpg's default costs a round trip each time).
-        return await asyncpg.create_pool(dsn, min_size=1, max_size=10, reset=_keep_session)
+        return await asyncpg.create_pool(self._dsn, min_size=1, max_size=10, reset=_keep_session)
+
+    async def connect(self) -> Any:
+        """An asyncpg connection of its own, outside the pool: the caller closes it."""
+        import asyncpg
+
+        return await asyncpg.connect(self._dsn)
 
     async def _close_pool(self, pool: Any) -> None:
         await pool.close()

@@ -6,12 +6,31 @@ from the database server's clock, in milliseconds since the Unix epoch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, func, not_, or_, select, tuple_, update
+from sqlalchemy import (
+    and_,
+    bindparam,
+    delete,
+    func,
+    literal_column,
+    not_,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.expression import ClauseElement, Delete, Executable, FunctionElement
+from sqlalchemy.sql.expression import (
+    ClauseElement,
+    Delete,
+    Executable,
+    FunctionElement,
+    Select,
+    Update,
+)
 from sqlalchemy.types import BigInteger, Integer
 
 from idempotency_mw.records import RecordStatus
@@ -127,6 +146,36 @@ RELEASE_COMMITTED = (
     .where(OWNED, records.c.committed_at.is_not(None))
     .values(status=RecordStatus.COMMITTED.value, lease_expires_at=NOW)
 )
+#: The channel on which PostgreSQL announces settled records; the payload is a key's digest.
+SETTLED_CHANNEL = "idempotency_mw_settled"
+
+
+def announced(change: Update | Delete) -> Select[Any]:
+    """``change`` and, in the same statement, a NOTIFY of ``p_digest`` if it changed the record
+    (PostgreSQL): one row per row changed, and no extra round trip."""
+    changed = change.returning(literal_column("1")).cte("changed")
+    return select(func.pg_notify(SETTLED_CHANNEL, bindparam("p_digest"))).select_from(changed)
+
+
+@dataclass(frozen=True)
+class Settling:
+    """A dialect's statements that settle a record. When they ``announce`` it, each notifies
+    the settlement feeds too (given ``p_digest``) and answers one row per row it changed."""
+
+    complete: Executable
+    release: Executable
+    release_committed: Executable
+    announce: bool = False
+
+
+#: Each dialect's settling statements (the others announce nothing).
+SETTLING = {
+    "postgresql": Settling(
+        announced(COMPLETE), announced(RELEASE), announced(RELEASE_COMMITTED), announce=True
+    )
+}
+SILENT = Settling(COMPLETE, RELEASE, RELEASE_COMMITTED)
+
 #: A fenced commit: inside the application's own transaction, this request's claim (still in
 #: progress under its token) marks its effect as committed.
 FENCE = update(records).where(KEY_IS, MINE).values(committed_at=NOW)

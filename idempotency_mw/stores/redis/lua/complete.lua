@@ -1,6 +1,6 @@
--- KEYS[1] record; ARGV token, ttl ms, status, [response status, packed headers, body].
--- Returns 1 if recorded.
-local key, token, ttl, status = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[3]
+-- KEYS[1] record; ARGV token, ttl ms, channel, digest, status, [response status, packed
+-- headers, body]. Returns 1 if recorded, and then publishes the digest on the channel.
+local key, token, ttl, status = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[5]
 local r = redis.call('HMGET', key, 'status', 'token')
 if r[2] ~= token then return 0 end
 -- Only this token's own earlier call (a client retry after a lost reply) can have settled it.
@@ -9,8 +9,9 @@ local now = now_ms()
 redis.call('HSET', key, 'status', status, 'lease_expires_at', int(now),
     'expires_at', int(now + ttl))
 if status == 'completed' then
-    redis.call('HSET', key, 'response_status', ARGV[4], 'response_headers', ARGV[5],
-        'result_payload', ARGV[6])
+    redis.call('HSET', key, 'response_status', ARGV[6], 'response_headers', ARGV[7],
+        'result_payload', ARGV[8])
 end
 redis.call('PEXPIRE', key, int(ttl))
+redis.call('PUBLISH', ARGV[3], ARGV[4])
 return 1
