@@ -56,6 +56,20 @@ def _run(tree: Path, scratch: Path, label: str, step: str, arguments: list[str],
     return json.loads(out.read_text())
 
 
+def _commit_of(tree: str) -> str:
+    """The tree's commit, and whether its library has uncommitted changes."""
+
+    def git(*arguments: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", tree, *arguments], capture_output=True, text=True, check=False
+        )
+        return done.stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "?"
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "idempotency_mw")
+    return f"{commit} + uncommitted library changes" if dirty else commit
+
+
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -205,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Written by `python -m benchmarks.compare` on {info['date']}, {info['nproc']} cores "
             f"of an {info['cpu']}, Python {info['python']}; {args.rounds} rounds, "
             f"{args.requests:,} requests per figure, medians over the rounds. Trees: "
-            + ", ".join(f"{label} = `{path}`" for label, path in trees.items())
+            + ", ".join(f"{label} = {_commit_of(path)}" for label, path in trees.items())
             + ". Load average (1/5/15 min): "
             + "; ".join(load_notes)
             + ". The peers' figures do not depend on our code: one run per round, shown in "
