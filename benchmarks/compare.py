@@ -91,9 +91,8 @@ def inprocess_table(
                 spread = [r["added_p50"] for r in found if r["added_p50"] is not None]
                 note = f" ({fmt(min(spread))}-{fmt(max(spread))})" if len(spread) > 1 else ""
                 error = next((r["error"] for r in found if r.get("error")), None)
-                cells.append(
-                    f"{fmt(p50)} / {fmt(p99)}{note}" if p50 is not None else (error or "-")[:60]
-                )
+                reason = f" ({error.partition(': ')[2] or error})" if error else ""
+                cells.append(f"{fmt(p50)} / {fmt(p99)}{note}" if p50 is not None else f"-{reason}")
             rows.append([LABELS[variant], mode, *cells])
     return markdown_table(
         ["variant", "mode", *[f"{label}: added p50 / p99 µs (p50 range)" for label in labels]],
