@@ -3,8 +3,11 @@
 Variants (``VARIANTS``):
 
 - ``bare``: FastAPI, ``POST /tickets`` returning a small JSON (the baseline);
-- ``ours-sqlite``, ``ours-postgresql``, ``ours-mariadb``, ``ours-redis``: the same app behind
-  ``idempotency_mw.IdempotencyMiddleware`` on each store, default settings;
+- ``ours-sqlite``, ``ours-sqlite-wal``, ``ours-postgresql``, ``ours-mariadb``, ``ours-redis``: the
+  same app behind ``idempotency_mw.IdempotencyMiddleware`` on each store, default settings
+  (``ours-sqlite`` leaves the file's journal mode alone, ``ours-sqlite-wal`` opts in to WAL);
+- ``ours-memory`` (not in ``VARIANTS``: one process only): on ``testing.MemoryStore``, to see the
+  middleware's own cost with next to nothing spent in the store;
 - ``fik-sqlite``, ``fik-redis``: ``fastapi-idempotency-key`` 0.1.x, wired as its README's
   "Global ASGI Middleware" section says;
 - ``aih-redis``: ``asgi-idempotency-header`` 0.2.x, wired as its README's setup section says.
@@ -35,6 +38,7 @@ from benchmarks.common import MARIADB_URL, POSTGRESQL_URL, REDIS_PREFIX, REDIS_U
 VARIANTS = (
     "bare",
     "ours-sqlite",
+    "ours-sqlite-wal",
     "ours-postgresql",
     "ours-mariadb",
     "ours-redis",
@@ -47,6 +51,8 @@ PEERS = ("fik-sqlite", "fik-redis", "aih-redis")
 LABELS = {
     "bare": "bare FastAPI",
     "ours-sqlite": "idempotency-mw, SQLite",
+    "ours-sqlite-wal": "idempotency-mw, SQLite (WAL)",
+    "ours-memory": "idempotency-mw, MemoryStore",
     "ours-postgresql": "idempotency-mw, PostgreSQL",
     "ours-mariadb": "idempotency-mw, MariaDB",
     "ours-redis": "idempotency-mw, Redis",
@@ -58,6 +64,8 @@ LABELS = {
 STORE_OF = {
     "bare": None,
     "ours-sqlite": "sqlite",
+    "ours-sqlite-wal": "sqlite",
+    "ours-memory": None,
     "ours-postgresql": "postgresql",
     "ours-mariadb": "mariadb",
     "ours-redis": "redis",
@@ -119,8 +127,12 @@ def build_app(
     delay: float = 0.0,
     count_file: str | None = None,
     redis_prefix: str = REDIS_PREFIX,
+    **middleware_options: Any,
 ) -> Built:
-    """The app of ``variant``; its stores and tables must have been prepared (common.py)."""
+    """The app of ``variant``; its stores and tables must have been prepared (common.py).
+
+    ``middleware_options`` go to our middleware (e.g. ``on_event``), for ``ours-*`` only.
+    """
     closers: list[Closer] = []
     notes: list[str] = []
     if variant == "bare":
@@ -132,8 +144,12 @@ def build_app(
 
         store: Store
         match variant:
-            case "ours-sqlite":
-                store = SQLStore(sqlite_url(sqlite_dir, "ours.db"))
+            case "ours-sqlite" | "ours-sqlite-wal":
+                store = sqlite_store(sqlite_dir, wal=variant == "ours-sqlite-wal")
+            case "ours-memory":
+                from idempotency_mw.testing import MemoryStore
+
+                store = MemoryStore()
             case "ours-postgresql":
                 store = SQLStore(POSTGRESQL_URL)
             case "ours-mariadb":
@@ -146,7 +162,7 @@ def build_app(
                 raise ValueError(variant)
         app = _base_app(delay, count_file, closers)
         # The middleware itself runs store.startup() and store.aclose() in the lifespan.
-        app.add_middleware(IdempotencyMiddleware, store=store)
+        app.add_middleware(IdempotencyMiddleware, store=store, **middleware_options)
         return Built(app, notes)
 
     if variant.startswith("fik-"):
@@ -203,6 +219,27 @@ def build_app(
     raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 
+SQLITE_FILES = {False: "ours.db", True: "ours-wal.db"}
+
+
+def sqlite_store(sqlite_dir: Path, *, wal: bool) -> Any:
+    """Our SQLite store, on a file in WAL mode or in the file's own journal mode.
+
+    Before 0.2 the store always switched the file to WAL (there was no ``sqlite_wal``), so on
+    that code only the WAL variant exists.
+    """
+    import inspect
+
+    from idempotency_mw import SQLStore
+
+    url = sqlite_url(sqlite_dir, SQLITE_FILES[wal])
+    if "sqlite_wal" in inspect.signature(SQLStore).parameters:
+        return SQLStore(url, sqlite_wal=wal)
+    if wal:
+        return SQLStore(url)
+    raise NotImplementedError("this version always switches SQLite files to WAL")
+
+
 def create_app() -> FastAPI:
     """uvicorn factory: the variant named by ``BENCH_VARIANT`` (see the module docstring)."""
     from benchmarks.common import set_nodelay_on_every_tcp_connection
@@ -237,8 +274,8 @@ async def prepare(variant: str, sqlite_dir: Path, redis_prefix: str = REDIS_PREF
     from benchmarks.common import prepare_sql, wipe_redis
 
     match variant:
-        case "ours-sqlite":
-            await prepare_sql(sqlite_url(sqlite_dir, "ours.db"))
+        case "ours-sqlite" | "ours-sqlite-wal":
+            await prepare_sql(sqlite_url(sqlite_dir, SQLITE_FILES[variant == "ours-sqlite-wal"]))
         case "ours-postgresql":
             await prepare_sql(POSTGRESQL_URL)
         case "ours-mariadb":

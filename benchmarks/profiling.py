@@ -7,7 +7,7 @@
 2. Breakdown of a first request through the FastAPI app on each store: total, ``claim``,
    ``complete`` (timed by a delegating store wrapper), and the rest.
 3. Driver calls per claim/complete: aiosqlite thread hops, PostgreSQL round trips.
-4. A pyinstrument profile of first requests on SQLite and PostgreSQL: the top functions by own
+4. A pyinstrument profile of first requests and of replays on each store: the top functions by own
    time (the full text reports go to ``--profile-dir``).
 
 The "prototype" rows run the same SQL as ``SQLStore`` another way; they are sketches to size
@@ -43,7 +43,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 from starlette.datastructures import Headers
 
-from benchmarks.apps import BODY, PATH, build_app, prepare
+from benchmarks.apps import BODY, PATH, build_app, prepare, unavailable
 from benchmarks.common import (
     POSTGRESQL_URL,
     REDIS_PREFIX,
@@ -615,11 +615,6 @@ async def micro_costs(n: int, directory: Path, have_pg: bool, have_redis: bool) 
     add("middleware", "parse_key", timed_sync(lambda: parse_key("3f1c6a0e-key-0001"), n))
     add(
         "middleware",
-        "fingerprint (44-byte body)",
-        timed_sync(lambda: middleware.fingerprint(scope, Headers(scope=scope), PATH, BODY), n),
-    )
-    add(
-        "middleware",
         "request_fingerprint alone",
         timed_sync(lambda: request_fingerprint("POST", PATH, PATH, b"", [], BODY), n),
     )
@@ -818,11 +813,13 @@ class TimedStore:
         return getattr(self.inner, name)
 
     async def claim(
-        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, binding: str = ""
     ) -> Claim:
         started = now_us()
         try:
-            result: Claim = await self.inner.claim(scope, key, fingerprint, ttl=ttl, lease=lease)
+            result: Claim = await self.inner.claim(
+                scope, key, fingerprint, ttl=ttl, lease=lease, binding=binding
+            )
             return result
         finally:
             self.times["claim"].append(now_us() - started)
@@ -907,31 +904,40 @@ async def breakdown(variant: str, n: int, directory: Path) -> list[Breakdown]:
 # ---------------------------------------------------------------- pyinstrument
 
 
-def profile_variant(variant: str, n: int, directory: Path, out_dir: Path | None) -> list[str]:
-    """pyinstrument over ``n`` first requests; the top functions by own time, as table rows."""
+def profile_variant(
+    variant: str, n: int, directory: Path, out_dir: Path | None, mode: str = "first"
+) -> list[str]:
+    """pyinstrument over ``n`` first requests (or replays of one key); the top functions by own
+    time, as table rows."""
     from pyinstrument import Profiler
+
+    replayed = f"p-{uuid.uuid4().hex}"
+
+    def key(i: int) -> str:
+        return replayed if mode == "replay" else f"p-{uuid.uuid4().hex}-{i}"
 
     async def run() -> Any:
         await prepare(variant, directory)
         built = build_app(variant, sqlite_dir=directory)
         async with Lifespan(built.app):
             for i in range(100):
-                await call(built.app, PATH, BODY, key=f"pw-{uuid.uuid4().hex}-{i}")
+                await call(built.app, PATH, BODY, key=key(i))
             profiler = Profiler(interval=0.0002, async_mode="disabled")
             profiler.start()
             for i in range(n):
-                await call(built.app, PATH, BODY, key=f"p-{uuid.uuid4().hex}-{i}")
+                await call(built.app, PATH, BODY, key=key(i))
             profiler.stop()
         return profiler
 
     profiler = asyncio.run(run())
+    name = f"{variant}-{mode}"
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"{variant}.txt").write_text(
+        (out_dir / f"{name}.txt").write_text(
             profiler.output_text(unicode=False, color=False, show_all=False)
         )
-        (out_dir / f"{variant}.html").write_text(profiler.output_html())
-    return summarise_pyinstrument(variant, profiler.last_session.root_frame(), n)
+        (out_dir / f"{name}.html").write_text(profiler.output_html())
+    return summarise_pyinstrument(name, profiler.last_session.root_frame(), n)
 
 
 def area_of(path: str | None, function: str) -> str:
@@ -1056,7 +1062,7 @@ async def main_async(args: argparse.Namespace, directory: Path) -> tuple[Any, ..
             continue
         print(f"… breakdown {variant}", file=sys.stderr, flush=True)
         breakdowns += await breakdown(variant, args.requests, directory)
-    return costs, calls, breakdowns, have_pg
+    return costs, calls, breakdowns
 
 
 def run_target(variant: str, n: int) -> None:
@@ -1179,17 +1185,20 @@ def main(argv: list[str] | None = None) -> int:
     load_before = loadavg()
     with tempfile.TemporaryDirectory(prefix="idem-bench-prof-") as name:
         directory = Path(name)
-        costs, calls, breakdowns, have_pg = asyncio.run(main_async(args, directory))
+        costs, calls, breakdowns = asyncio.run(main_async(args, directory))
         profile_rows: list[str] = []
         spy_rows: list[str] = []
         if not args.no_profile:
             out_dir = Path(args.profile_dir) if args.profile_dir else None
-            for variant in ("ours-sqlite", "ours-postgresql"):
-                if variant == "ours-postgresql" and not have_pg:
+            for variant in ("ours-sqlite", "ours-sqlite-wal", "ours-postgresql", "ours-redis"):
+                if unavailable(variant):
                     continue
-                print(f"… pyinstrument {variant}", file=sys.stderr, flush=True)
-                profile_rows += profile_variant(variant, args.profile_n, directory, out_dir)
-                if args.py_spy:
+                for mode in ("first", "replay"):
+                    print(f"… pyinstrument {variant} {mode}", file=sys.stderr, flush=True)
+                    profile_rows += profile_variant(
+                        variant, args.profile_n, directory, out_dir, mode
+                    )
+                if args.py_spy and variant in ("ours-sqlite", "ours-postgresql"):
                     print(f"… py-spy {variant}", file=sys.stderr, flush=True)
                     spy_rows += py_spy_variant(variant, args.profile_n * 4, out_dir)
     text_out = report(costs, breakdowns, calls, profile_rows)
