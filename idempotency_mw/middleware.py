@@ -52,7 +52,7 @@ from idempotency_mw.policy import (
     to_seconds,
 )
 from idempotency_mw.problems import Problem, send_http_problem, send_problem
-from idempotency_mw.records import ClaimOutcome
+from idempotency_mw.records import Claim, ClaimOutcome
 from idempotency_mw.stores.base import SettlementFeed, Store
 
 logger = logging.getLogger("idempotency_mw")
@@ -408,12 +408,7 @@ class _Exchange:
         if caller is None:
             return
         self.caller = caller
-        if settings.fingerprint == "json":
-            body_hashed = canonical_json(body)
-            if body_hashed is None:
-                body_hashed = body
-        else:
-            body_hashed = body
+        json_body = canonical_json(body) if settings.fingerprint == "json" else None
         fingerprint = request_fingerprint(
             self.scope["method"],
             template,
@@ -424,35 +419,10 @@ class _Exchange:
                 for name in options.fingerprint_headers
                 for value in self.headers.getlist(name)
             ],
-            body_hashed,
+            body if json_body is None else json_body,
         )
-        binding = self._binding()
-        # A duplicate that finds the key in progress waits up to settings.wait for its outcome:
-        # woken at once when a request of this worker settles the key, or of any worker when the
-        # store offers a settlement feed, and polling with backoff (holding no connection in
-        # between) in case no news comes.
-        deadline = time.monotonic() + settings.wait
-        pause = _FIRST_POLL
         try:
-            while True:
-                claimed_at = time.monotonic()
-                claim = await self.call_store(
-                    "claim",
-                    lambda: self.store.claim(
-                        self.caller,
-                        self.key,
-                        fingerprint,
-                        ttl=settings.ttl,
-                        lease=settings.lease,
-                        binding=binding,
-                    ),
-                )
-                if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:
-                    break
-                await self.settlements.wait(
-                    self.key_id, min(pause, deadline - claimed_at), since=claimed_at
-                )
-                pause = min(pause * 2, self.settlements.longest_pause)
+            claim, claimed_at = await self._claim(fingerprint, self._binding(), settings)
         except StoreError as exc:
             logger.warning("idempotency store failed to claim key %s: %s", self.key_id, exc)
             if options.fail_open:
@@ -467,61 +437,64 @@ class _Exchange:
             return
 
         self.emit(_OUTCOME_EVENTS[claim.outcome])
-        match claim.outcome:
-            case ClaimOutcome.ACQUIRED:
-                assert claim.token is not None
-                lease = _Lease(self, claim.token, settings.lease, claimed_at)
-                if not await lease.prove_before_start():
-                    # A claim so slow that its lease may already be another's: run nothing.
-                    await self._problem(
-                        Problem.LEASE_LOST,
-                        503,
-                        "The idempotency store could not confirm this request holds its key; "
-                        "nothing ran. Retry with the same key.",
-                        retry=True,
-                    )
-                    return
-                self.emit(EventKind.CLAIM_STARTED)
-                try:
-                    await self._execute(body, lease, settings)
-                finally:
-                    self.emit(EventKind.CLAIM_ENDED)
-            case ClaimOutcome.REPLAY:
-                assert claim.response is not None
-                await send_replay(self.send, claim.response)
-            case ClaimOutcome.IN_PROGRESS:
+        if claim.outcome is ClaimOutcome.REPLAY:
+            assert claim.response is not None
+            await send_replay(self.send, claim.response)
+        elif claim.outcome is not ClaimOutcome.ACQUIRED:
+            problem, status, detail, retry = _REFUSALS[claim.outcome]
+            if claim.outcome is ClaimOutcome.MISMATCH:
+                status = options.mismatch_status
+            await self._problem(problem, status, detail, retry=retry)
+        else:
+            assert claim.token is not None
+            lease = _Lease(self, claim.token, settings.lease, claimed_at)
+            if not await lease.prove_before_start():
+                # A claim so slow that its lease may already be another's: run nothing.
                 await self._problem(
-                    Problem.IN_PROGRESS,
-                    409,
-                    "A request with this key is still being processed; retry later.",
+                    Problem.LEASE_LOST,
+                    503,
+                    "The idempotency store could not confirm this request holds its key; "
+                    "nothing ran. Retry with the same key.",
                     retry=True,
                 )
-            case ClaimOutcome.MISMATCH:
-                await self._problem(
-                    Problem.MISMATCH,
-                    options.mismatch_status,
-                    "This key was used with a different request; use a new key for a new request.",
-                )
-            case ClaimOutcome.UNREPLAYABLE:
-                await self._problem(
-                    Problem.UNREPLAYABLE,
-                    409,
-                    "This key's request ran, but its response could not be recorded for replay.",
-                )
-            case ClaimOutcome.CREDENTIAL_MISMATCH:
-                await self._problem(
-                    Problem.CREDENTIAL_MISMATCH,
-                    409,
-                    "This key was used by a request with other credentials; its outcome is "
-                    "theirs. Use a new key, or the credentials of the first request.",
-                )
-            case ClaimOutcome.COMMITTED_WITHOUT_RESPONSE:
-                await self._problem(
-                    Problem.COMMITTED_WITHOUT_RESPONSE,
-                    409,
-                    "This key's request took effect, but its response is not available; do not "
-                    "send it again.",
-                )
+                return
+            self.emit(EventKind.CLAIM_STARTED)
+            try:
+                await self._execute(body, lease, settings)
+            finally:
+                self.emit(EventKind.CLAIM_ENDED)
+
+    async def _claim(
+        self, fingerprint: str, binding: str, settings: Settings
+    ) -> tuple[Claim, float]:
+        """The claim's outcome, and when (monotonic) the claim that decided it was sent.
+
+        A duplicate that finds the key in progress waits up to ``settings.wait`` for its
+        outcome: woken at once when a request of this worker settles the key, or of any worker
+        when the store offers a settlement feed, and polling with backoff (holding no
+        connection in between) in case no news comes.
+        """
+        deadline = time.monotonic() + settings.wait
+        pause = _FIRST_POLL
+        while True:
+            claimed_at = time.monotonic()
+            claim = await self.call_store(
+                "claim",
+                lambda: self.store.claim(
+                    self.caller,
+                    self.key,
+                    fingerprint,
+                    ttl=settings.ttl,
+                    lease=settings.lease,
+                    binding=binding,
+                ),
+            )
+            if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:
+                return claim, claimed_at
+            await self.settlements.wait(
+                self.key_id, min(pause, deadline - claimed_at), since=claimed_at
+            )
+            pause = min(pause * 2, self.settlements.longest_pause)
 
     def _binding(self) -> str:
         """A digest of the caller's credentials, which the record is bound to.
@@ -714,14 +687,49 @@ class _Exchange:
 
     async def _release(self, token: str) -> None:
         try:
-            await self.call_store(
+            if await self.call_store(
                 "release", lambda: self.store.release(self.caller, self.key, token)
-            )
-            self.emit(EventKind.RELEASED)
+            ):
+                self.emit(EventKind.RELEASED)
         except StoreError as exc:
             logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)
 
 
+#: The answer to each outcome that neither runs nor replays: problem, status (MISMATCH's is the
+#: ``mismatch_status`` option), detail, and whether a retry later may succeed (Retry-After).
+_REFUSALS: dict[ClaimOutcome, tuple[Problem, int, str, bool]] = {
+    ClaimOutcome.IN_PROGRESS: (
+        Problem.IN_PROGRESS,
+        409,
+        "A request with this key is still being processed; retry later.",
+        True,
+    ),
+    ClaimOutcome.MISMATCH: (
+        Problem.MISMATCH,
+        409,
+        "This key was used with a different request; use a new key for a new request.",
+        False,
+    ),
+    ClaimOutcome.UNREPLAYABLE: (
+        Problem.UNREPLAYABLE,
+        409,
+        "This key's request ran, but its response could not be recorded for replay.",
+        False,
+    ),
+    ClaimOutcome.CREDENTIAL_MISMATCH: (
+        Problem.CREDENTIAL_MISMATCH,
+        409,
+        "This key was used by a request with other credentials; its outcome is theirs. Use a "
+        "new key, or the credentials of the first request.",
+        False,
+    ),
+    ClaimOutcome.COMMITTED_WITHOUT_RESPONSE: (
+        Problem.COMMITTED_WITHOUT_RESPONSE,
+        409,
+        "This key's request took effect, but its response is not available; do not send it again.",
+        False,
+    ),
+}
 _OUTCOME_EVENTS = {
     ClaimOutcome.ACQUIRED: EventKind.FIRST_RUN,
     ClaimOutcome.REPLAY: EventKind.REPLAY,
