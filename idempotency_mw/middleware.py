@@ -848,6 +848,7 @@ class _Lease:
         self._proven_until = claimed_at + lease
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._in_flight: asyncio.Future[bool | None] | None = None
 
     async def prove_before_start(self) -> bool:
         """Whether the lease is proven for long enough to start the handler.
@@ -893,9 +894,15 @@ class _Lease:
             renewal.cancel()
 
     async def _renew(self) -> None:
-        """Renew every third of the lease, quickly again after a failure; end when taken over."""
+        """Renew every third of the lease, quickly again after a failure; end when taken over.
+
+        A renewal already sent runs to its end when the handler ends: cut short, it would
+        throw away the store's connection mid-call (asyncpg before 0.32 then raises in the
+        event loop) for an answer that no longer matters.
+        """
         while True:
-            owned = await self._renew_once()
+            self._in_flight = asyncio.ensure_future(self._renew_once())
+            owned = await asyncio.shield(self._in_flight)
             if owned is None:
                 await asyncio.sleep(max(0.05, self._lease / 20))
             elif not owned:

@@ -145,6 +145,7 @@ class PausableStore:
     def __init__(self, store: Store) -> None:
         self.inner = store
         self.closed = 0
+        self.reached: Counter[str] = Counter()
         self.failing: frozenset[str] = frozenset()
         self._paused: frozenset[str] = frozenset()
         self._resumed = anyio.Event()
@@ -168,6 +169,7 @@ class PausableStore:
             await self._resumed.wait()
         if operation in self.failing:
             raise StoreError(f"{operation} failed: the test broke the store")
+        self.reached[operation] += 1
 
     async def claim(self, *args: Any, **kwargs: Any) -> Any:
         await self._gate("claim")
