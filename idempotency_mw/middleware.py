@@ -12,6 +12,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from contextvars import Context
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import cached_property
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -358,9 +359,10 @@ class _Exchange:
         self.template = template
         self.caller = ""
 
-    @property
+    @cached_property
     def key_id(self) -> str:
-        """A short hash of scope and key, for logs: raw keys are never logged."""
+        """A short hash of scope and key, for logs: raw keys are never logged (read only once
+        ``caller`` is known)."""
         return key_hash(self.caller, self.key)
 
     def emit(self, kind: EventKind, **details: Any) -> None:
@@ -369,14 +371,16 @@ class _Exchange:
         if hook is not None:
             hook(Event(kind, self.key_id, self.scope["method"], self.template, **details))
 
-    async def call_store(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
-        """A store call, timed and reported when an ``on_event`` hook is set."""
-        if self.options.on_event is None:
-            return await call()
+    def call_store(self, operation: str, call: Awaitable[T]) -> Awaitable[T]:
+        """A store call: ``call`` itself, or timed and reported when an ``on_event`` hook is
+        set."""
+        return call if self.options.on_event is None else self._reported(operation, call)
+
+    async def _reported(self, operation: str, call: Awaitable[T]) -> T:
         started_at, started = time.time(), time.perf_counter()
         error = None
         try:
-            return await call()
+            return await call
         except StoreError as exc:
             error = str(exc)
             self.emit(EventKind.STORE_ERROR, operation=operation, error=error)
@@ -480,7 +484,7 @@ class _Exchange:
             claimed_at = time.monotonic()
             claim = await self.call_store(
                 "claim",
-                lambda: self.store.claim(
+                self.store.claim(
                     self.caller,
                     self.key,
                     fingerprint,
@@ -606,28 +610,37 @@ class _Exchange:
             records_header=self.options.records_header,
             on_finish=settle,
         )
-        with anyio.CancelScope() as handler:
-            lease.watch(handler, recorder)
-            claim = current_claim.set(CurrentClaim(self.store, self.caller, self.key, lease.token))
-            try:
-                await self.app(self.scope, ReplayReceive(body, self.receive), recorder.send)
-            except LeaseLost:
-                if recorder.status is not None:
-                    raise
-                # The handler's transaction rolled back: another request holds the key now.
-                await self._problem(
-                    Problem.IN_PROGRESS,
-                    409,
-                    "Another request with this key took over; retry later.",
-                    retry=True,
+        # The handler's scope: a lost lease expires it at once (asyncio's own cancel scope).
+        handler = asyncio.timeout(None)
+        try:
+            async with handler:
+                lease.watch(handler, recorder)
+                claim = current_claim.set(
+                    CurrentClaim(self.store, self.caller, self.key, lease.token)
                 )
-            finally:
-                current_claim.reset(claim)
-                lease.stop()
-                # Settled already when the response ended; otherwise the app failed or stopped.
-                if not lease.lost:
-                    await settle(recorder)
-        if handler.cancelled_caught and lease.lost and recorder.status is None:
+                try:
+                    await self.app(self.scope, ReplayReceive(body, self.receive), recorder.send)
+                except LeaseLost:
+                    if recorder.status is not None:
+                        raise
+                    # The handler's transaction rolled back: another request holds the key now.
+                    await self._problem(
+                        Problem.IN_PROGRESS,
+                        409,
+                        "Another request with this key took over; retry later.",
+                        retry=True,
+                    )
+                finally:
+                    current_claim.reset(claim)
+                    lease.stop()
+                    # Settled already when the response ended; otherwise the app failed or
+                    # stopped.
+                    if not lease.lost:
+                        await settle(recorder)
+        except TimeoutError:
+            if not handler.expired():
+                raise  # the app's own
+        if handler.expired() and lease.lost and recorder.status is None:
             await self._problem(
                 Problem.LEASE_LOST,
                 503,
@@ -640,7 +653,9 @@ class _Exchange:
         try:
             await self._record_or_release(token, recorder, settings)
         finally:
-            self.settlements.settled(self.key_id)
+            if settings.wait:
+                # Requests of this route may be waiting (one of another route polls).
+                self.settlements.settled(self.key_id)
 
     async def _record_or_release(
         self, token: str, recorder: ResponseRecorder, settings: Settings
@@ -673,9 +688,7 @@ class _Exchange:
         try:
             owned = await self.call_store(
                 "complete",
-                lambda: self.store.complete(
-                    self.caller, self.key, token, response, ttl=settings.ttl
-                ),
+                self.store.complete(self.caller, self.key, token, response, ttl=settings.ttl),
             )
         except StoreError as exc:
             # The client still gets its answer; the claim stays in progress until its lease
@@ -687,9 +700,7 @@ class _Exchange:
 
     async def _release(self, token: str) -> None:
         try:
-            if await self.call_store(
-                "release", lambda: self.store.release(self.caller, self.key, token)
-            ):
+            if await self.call_store("release", self.store.release(self.caller, self.key, token)):
                 self.emit(EventKind.RELEASED)
         except StoreError as exc:
             logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)
@@ -860,7 +871,7 @@ class _Lease:
             return True
         return await self._renew_once() is True
 
-    def watch(self, handler: anyio.CancelScope, recorder: ResponseRecorder) -> None:
+    def watch(self, handler: asyncio.Timeout, recorder: ResponseRecorder) -> None:
         """Start keeping the lease a third of it after the claim (most requests end sooner)."""
         loop = asyncio.get_running_loop()
 
@@ -877,7 +888,7 @@ class _Lease:
         if self._task is not None:
             self._task.cancel()
 
-    async def _keep(self, handler: anyio.CancelScope, recorder: ResponseRecorder) -> None:
+    async def _keep(self, handler: asyncio.Timeout, recorder: ResponseRecorder) -> None:
         renewal = asyncio.ensure_future(self._renew())
         try:
             # Wake when the proof runs out or the key is taken over, whichever comes first.
@@ -919,9 +930,7 @@ class _Lease:
         try:
             owned = await exchange.call_store(
                 "renew",
-                lambda: exchange.store.renew(
-                    exchange.caller, exchange.key, self.token, lease=self._lease
-                ),
+                exchange.store.renew(exchange.caller, exchange.key, self.token, lease=self._lease),
             )
         except StoreError as exc:
             logger.warning("could not renew the lease of key %s: %s", exchange.key_id, exc)
@@ -930,7 +939,7 @@ class _Lease:
             self._proven_until = sent_at + self._lease
         return owned
 
-    def _on_lost(self, handler: anyio.CancelScope, recorder: ResponseRecorder) -> None:
+    def _on_lost(self, handler: asyncio.Timeout, recorder: ResponseRecorder) -> None:
         exchange = self._exchange
         exchange.emit(EventKind.LEASE_LOST)
         if exchange.options.on_lease_lost == "cancel" and recorder.status is None:
@@ -940,7 +949,7 @@ class _Lease:
                 "and its key left to lapse",
                 exchange.key_id,
             )
-            handler.cancel()
+            handler.reschedule(-math.inf)
         else:
             logger.error(
                 "key %s: the store did not confirm the lease in time; the request goes on "

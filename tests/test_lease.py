@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 from fastapi import FastAPI
 
@@ -123,3 +124,23 @@ async def test_a_renewal_in_flight_when_the_handler_ends_runs_to_its_end(
     assert elapsed < 1.0
     assert store.reached["renew"] == 1
     assert "lost the lease" not in caplog.text
+
+
+async def test_a_timeout_of_the_handlers_own_is_not_taken_for_a_lost_lease(
+    tmp_path: Path,
+) -> None:
+    app, _ = await stalled_service(tmp_path)
+
+    @app.post("/times-out")
+    async def times_out() -> None:
+        app.state.effects["timed out"] += 1
+        raise TimeoutError("the handler's own")
+
+    # The app's exception reaches the server as it was raised, and the key is released.
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://testserver"
+    ) as client:
+        for _ in range(2):
+            with pytest.raises(TimeoutError, match="the handler's own"):
+                await client.post("/times-out", headers={"Idempotency-Key": "k"})
+    assert app.state.effects == Counter({"timed out": 2})
