@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 
-from starlette.types import Message, Receive, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from idempotency_mw.records import StoredResponse
 
@@ -49,6 +49,16 @@ def _unquote_sf_string(quoted: str) -> str | None:
         else:
             chars.append(char)
     return None if escaped else "".join(chars)
+
+
+def request_headers(scope: Scope, names: frozenset[bytes]) -> dict[str, list[str]]:
+    """The values of the request headers named in ``names`` (lower case, as ASGI gives them),
+    read in one pass."""
+    found: dict[str, list[str]] = {}
+    for name, value in scope["headers"]:
+        if name in names:
+            found.setdefault(name.decode("latin-1"), []).append(value.decode("latin-1"))
+    return found
 
 
 class ReplayReceive:

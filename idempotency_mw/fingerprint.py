@@ -16,22 +16,19 @@ def request_fingerprint(
     body: bytes,
 ) -> str:
     """Hex SHA-256 over length-prefixed fields, so no two field splits share a hash."""
-    digest = hashlib.sha256()
-
-    def field(value: bytes) -> None:
-        digest.update(len(value).to_bytes(8, "big"))
-        digest.update(value)
-
-    field(method.encode())
-    field(route.encode())
-    field(path.encode())
-    field(query)
-    digest.update(len(headers).to_bytes(8, "big"))
+    fields = [method.encode(), route.encode(), path.encode(), query]
+    head = [_framed(value) for value in fields]
+    head.append(len(headers).to_bytes(8, "big"))
     for name, value in headers:
-        field(name.encode("latin-1"))
-        field(value.encode("latin-1"))
-    field(body)
+        head += (_framed(name.encode("latin-1")), _framed(value.encode("latin-1")))
+    head.append(len(body).to_bytes(8, "big"))
+    digest = hashlib.sha256(b"".join(head))
+    digest.update(body)
     return digest.hexdigest()
+
+
+def _framed(value: bytes) -> bytes:
+    return len(value).to_bytes(8, "big") + value
 
 
 def credential_digest(values: Sequence[tuple[str, str]]) -> str:

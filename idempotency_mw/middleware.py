@@ -16,7 +16,6 @@ from functools import cached_property
 from typing import Any, Literal, TypeVar
 
 import anyio
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -27,6 +26,7 @@ from idempotency_mw._asgi import (
     ReplayReceive,
     ResponseRecorder,
     parse_key,
+    request_headers,
     send_replay,
 )
 from idempotency_mw.cleanup import PurgeSchedule
@@ -80,7 +80,7 @@ DEFAULT_UNRECORDED_HEADERS = frozenset(
 #: Answers that prove the handler did not run: the key is released, not recorded.
 DEFAULT_RELEASE_STATUSES = frozenset({401, 403, 404, 405, 406, 408, 413, 415, 422, 429})
 #: Never recorded whatever the lists say: a replay sets this header itself, once.
-_ALWAYS_UNRECORDED = frozenset({REPLAYED_HEADER[0].decode()})
+_ALWAYS_UNRECORDED = frozenset({REPLAYED_HEADER[0]})
 
 T = TypeVar("T")
 CallerScope = Callable[[HTTPConnection], str | Awaitable[str]]
@@ -95,6 +95,8 @@ class Options:
     defaults: Settings
     methods: frozenset[str]
     header_name: str
+    #: The request headers the middleware reads (key, Content-Length, credentials, fingerprint).
+    read_headers: frozenset[bytes]
     routes: RouteTable
     caller_scope: CallerScope | None
     credential_headers: tuple[str, ...]
@@ -185,8 +187,12 @@ class IdempotencyMiddleware:
             raise ConfigurationError("size limits and retry_after must not be negative")
         if on_lease_lost not in ("cancel", "continue"):
             raise ConfigurationError("on_lease_lost must be 'cancel' or 'continue'")
-        allow = None if replay_headers_allow is None else {h.lower() for h in replay_headers_allow}
-        deny = {h.lower() for h in replay_headers_deny} | _ALWAYS_UNRECORDED
+        deny = {h.lower().encode("latin-1") for h in replay_headers_deny} | _ALWAYS_UNRECORDED
+        allow = (
+            None
+            if replay_headers_allow is None
+            else frozenset(h.lower().encode("latin-1") for h in replay_headers_allow) - deny
+        )
         self.app = app
         self.options = Options(
             store=store,
@@ -200,6 +206,15 @@ class IdempotencyMiddleware:
             ),
             methods=frozenset(method.upper() for method in methods),
             header_name=header_name,
+            read_headers=frozenset(
+                name.lower().encode("latin-1")
+                for name in (
+                    header_name,
+                    "content-length",
+                    *credential_headers,
+                    *fingerprint_headers,
+                )
+            ),
             routes=RouteTable(routes),
             caller_scope=scope,
             credential_headers=tuple(sorted({name.lower() for name in credential_headers})),
@@ -212,11 +227,7 @@ class IdempotencyMiddleware:
             mismatch_status=mismatch_status,
             fail_open=fail_open,
             retry_after=retry_after,
-            records_header=(
-                (lambda name: name.decode("latin-1") not in deny)
-                if allow is None
-                else (lambda name: name.decode("latin-1") in allow - deny)
-            ),
+            records_header=(lambda name: name not in deny) if allow is None else allow.__contains__,
             on_lease_lost=on_lease_lost,
             purge=purge,
             lifespan=lifespan,
@@ -251,8 +262,8 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         settings = options.defaults.merge(resolved.policy)
-        headers = Headers(scope=scope)
-        raw_keys = headers.getlist(options.header_name)
+        headers = request_headers(scope, options.read_headers)
+        raw_keys = headers.get(options.header_name.lower(), ())
         if not raw_keys:
             if settings.required:
                 await send_problem(
@@ -342,7 +353,7 @@ class _Exchange:
         scope: Scope,
         receive: Receive,
         send: Send,
-        headers: Headers,
+        headers: dict[str, list[str]],
         key: str,
         template: str,
         settlements: _Settlements,
@@ -396,7 +407,7 @@ class _Exchange:
 
     async def run(self, template: str, settings: Settings) -> None:
         options = self.options
-        declared = self.headers.get("content-length", "")
+        declared = self.headers.get("content-length", [""])[0]
         # ASCII digits only, and few enough of them for int(): the server may not have checked.
         if (
             declared.isascii()
@@ -421,7 +432,7 @@ class _Exchange:
             [
                 (name, value)
                 for name in options.fingerprint_headers
-                for value in self.headers.getlist(name)
+                for value in self.headers.get(name, ())
             ],
             body if json_body is None else json_body,
         )
@@ -512,7 +523,7 @@ class _Exchange:
         values = [
             (name, value)
             for name in options.credential_headers
-            for value in self.headers.getlist(name)
+            for value in self.headers.get(name, ())
         ]
         if options.credential_cookies:
             cookies = HTTPConnection(self.scope).cookies

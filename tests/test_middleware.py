@@ -168,6 +168,20 @@ async def test_two_key_headers_are_rejected(store: Store) -> None:
     assert problem_type(response).endswith("invalid-key")
 
 
+def test_the_request_fingerprint_is_the_one_earlier_versions_stored() -> None:
+    # Records written by earlier versions hold this digest: another would make their repeats
+    # mismatches.
+    fingerprint = request_fingerprint(
+        "POST",
+        "/orders/{id}",
+        "/orders/7",
+        b"a=1&b=2",
+        [("x-tenant", "acme"), ("x-tenant", "beta")],
+        b'{"sku": "A-1"}',
+    )
+    assert fingerprint == "697d7ffa7014251105f92cdb2d2c112d3901085ffd0aa06c7820d4d3b109a7cc"
+
+
 def test_key_parsing() -> None:
     assert parse_key("abc") == "abc"
     assert parse_key("x" * 255) == "x" * 255
