@@ -98,6 +98,8 @@ class RedisStore(ClaimsWithToken):
         )
         # binary_client returns what it was given or what connect() made: one of these.
         self._client = cast(AsyncClient, made)
+        # Known once: isinstance() on redis-py's generic client class costs microseconds.
+        self._cluster = made if isinstance(made, RedisCluster) else None
         self._prefix = prefix
         self._timeout = socket_timeout
         self._where = _masked(url) if url is not None else _address_of(self._client)
@@ -227,9 +229,9 @@ class RedisStore(ClaimsWithToken):
         """Relay the channel's messages until the connection is lost (then raise), pinging it
         after ``CHECK_AFTER`` seconds of silence."""
         pool = None
-        if isinstance(self._client, RedisCluster):
-            await self._client.initialize()
-            node = self._client.get_random_node()
+        if self._cluster is not None:
+            await self._cluster.initialize()
+            node = self._cluster.get_random_node()
             pool = ConnectionPool(connection_class=node.connection_class, **node.connection_kwargs)
             pubsub = PubSub(pool)
         else:
@@ -265,10 +267,10 @@ class RedisStore(ClaimsWithToken):
         """Run ``script`` on one key; EVALSHA, or EVAL (which loads it) when Redis lacks it."""
 
         async def run() -> Any:
-            if isinstance(self._client, RedisCluster):
+            if self._cluster is not None:
                 # redis-py's cluster client, first used by many tasks at once, can hand one of
                 # them a connection another is still setting up: set it up first (once).
-                await self._client.initialize()
+                await self._cluster.initialize()
             try:
                 return await self._execute("EVALSHA", script.sha, 1, redis_key, *args)
             except NoScriptError:
