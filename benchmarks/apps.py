@@ -3,9 +3,10 @@
 Variants (``VARIANTS``):
 
 - ``bare``: FastAPI, ``POST /tickets`` returning a small JSON (the baseline);
-- ``ours-sqlite``, ``ours-sqlite-wal``, ``ours-postgresql``, ``ours-mariadb``, ``ours-redis``: the
-  same app behind ``idempotency_mw.IdempotencyMiddleware`` on each store, default settings
-  (``ours-sqlite`` leaves the file's journal mode alone, ``ours-sqlite-wal`` opts in to WAL);
+- ``ours-sqlite``, ``ours-sqlite-normal``, ``ours-postgresql``, ``ours-mariadb``, ``ours-redis``:
+  the same app behind ``idempotency_mw.IdempotencyMiddleware`` on each store, default settings
+  (``ours-sqlite``: a file in WAL with ``synchronous=FULL``, the store's default;
+  ``ours-sqlite-normal`` opts in to ``synchronous=NORMAL``);
 - ``ours-memory`` (not in ``VARIANTS``: one process only): on ``testing.MemoryStore``, to see the
   middleware's own cost with next to nothing spent in the store;
 - ``fik-sqlite``, ``fik-redis``: ``fastapi-idempotency-key`` 0.1.x, wired as its README's
@@ -38,7 +39,7 @@ from benchmarks.common import MARIADB_URL, POSTGRESQL_URL, REDIS_PREFIX, REDIS_U
 VARIANTS = (
     "bare",
     "ours-sqlite",
-    "ours-sqlite-wal",
+    "ours-sqlite-normal",
     "ours-postgresql",
     "ours-mariadb",
     "ours-redis",
@@ -51,7 +52,7 @@ PEERS = ("fik-sqlite", "fik-redis", "aih-redis")
 LABELS = {
     "bare": "bare FastAPI",
     "ours-sqlite": "idempotency-mw, SQLite",
-    "ours-sqlite-wal": "idempotency-mw, SQLite (WAL)",
+    "ours-sqlite-normal": "idempotency-mw, SQLite (synchronous=NORMAL)",
     "ours-memory": "idempotency-mw, MemoryStore",
     "ours-postgresql": "idempotency-mw, PostgreSQL",
     "ours-mariadb": "idempotency-mw, MariaDB",
@@ -64,7 +65,7 @@ LABELS = {
 STORE_OF = {
     "bare": None,
     "ours-sqlite": "sqlite",
-    "ours-sqlite-wal": "sqlite",
+    "ours-sqlite-normal": "sqlite",
     "ours-memory": None,
     "ours-postgresql": "postgresql",
     "ours-mariadb": "mariadb",
@@ -144,8 +145,8 @@ def build_app(
 
         store: Store
         match variant:
-            case "ours-sqlite" | "ours-sqlite-wal":
-                store = sqlite_store(sqlite_dir, wal=variant == "ours-sqlite-wal")
+            case "ours-sqlite" | "ours-sqlite-normal":
+                store = sqlite_store(sqlite_dir, normal=variant == "ours-sqlite-normal")
             case "ours-memory":
                 from idempotency_mw.testing import MemoryStore
 
@@ -219,25 +220,29 @@ def build_app(
     raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 
-SQLITE_FILES = {False: "ours.db", True: "ours-wal.db"}
+SQLITE_FILES = {False: "ours.db", True: "ours-normal.db"}
 
 
-def sqlite_store(sqlite_dir: Path, *, wal: bool) -> Any:
-    """Our SQLite store, on a file in WAL mode or in the file's own journal mode.
+def sqlite_store(sqlite_dir: Path, *, normal: bool) -> Any:
+    """Our SQLite store with its default settings, or with ``synchronous=NORMAL``.
 
-    Before 0.2 the store always switched the file to WAL (there was no ``sqlite_wal``), so on
-    that code only the WAL variant exists.
+    Earlier versions: with ``sqlite_wal`` (and no ``sqlite_synchronous``) the store left the
+    file's journal mode alone unless ``sqlite_wal=True`` switched it to WAL with NORMAL; before
+    ``sqlite_wal`` it always did the latter, so only the NORMAL variant exists there.
     """
     import inspect
 
     from idempotency_mw import SQLStore
 
-    url = sqlite_url(sqlite_dir, SQLITE_FILES[wal])
-    if "sqlite_wal" in inspect.signature(SQLStore).parameters:
-        return SQLStore(url, sqlite_wal=wal)
-    if wal:
+    url = sqlite_url(sqlite_dir, SQLITE_FILES[normal])
+    parameters = inspect.signature(SQLStore).parameters
+    if "sqlite_synchronous" in parameters:
+        return SQLStore(url, sqlite_synchronous="NORMAL") if normal else SQLStore(url)
+    if "sqlite_wal" in parameters:
+        return SQLStore(url, sqlite_wal=normal)
+    if normal:
         return SQLStore(url)
-    raise NotImplementedError("this version always switches SQLite files to WAL")
+    raise NotImplementedError("this version always switches SQLite files to WAL, NORMAL")
 
 
 def create_app() -> FastAPI:
@@ -274,8 +279,8 @@ async def prepare(variant: str, sqlite_dir: Path, redis_prefix: str = REDIS_PREF
     from benchmarks.common import prepare_sql, wipe_redis
 
     match variant:
-        case "ours-sqlite" | "ours-sqlite-wal":
-            await prepare_sql(sqlite_url(sqlite_dir, SQLITE_FILES[variant == "ours-sqlite-wal"]))
+        case "ours-sqlite" | "ours-sqlite-normal":
+            await prepare_sql(sqlite_url(sqlite_dir, SQLITE_FILES[variant == "ours-sqlite-normal"]))
         case "ours-postgresql":
             await prepare_sql(POSTGRESQL_URL)
         case "ours-mariadb":

@@ -1190,7 +1190,7 @@ def main(argv: list[str] | None = None) -> int:
         spy_rows: list[str] = []
         if not args.no_profile:
             out_dir = Path(args.profile_dir) if args.profile_dir else None
-            for variant in ("ours-sqlite", "ours-sqlite-wal", "ours-postgresql", "ours-redis"):
+            for variant in ("ours-sqlite", "ours-sqlite-normal", "ours-postgresql", "ours-redis"):
                 if unavailable(variant):
                     continue
                 for mode in ("first", "replay"):

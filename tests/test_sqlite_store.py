@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -83,24 +84,39 @@ async def test_the_first_connection_never_blocks_the_event_loop(sqlite_url: str)
     assert longest_stall < 0.3
 
 
-async def test_the_journal_mode_is_the_files_own_unless_wal_is_asked_for(
-    sqlite_url: str,
+@pytest.mark.parametrize(
+    ("options", "mode", "synchronous"),
+    [
+        ({}, "wal", 2),
+        ({"sqlite_synchronous": "NORMAL"}, "wal", 1),
+        ({"sqlite_wal": False}, "delete", 2),
+    ],
+)
+async def test_a_file_is_switched_to_wal_and_synced_in_full_unless_asked_otherwise(
+    tmp_path: Path, options: dict[str, Any], mode: str, synchronous: int
 ) -> None:
-    def journal_mode() -> str:
-        with closing(sqlite3.connect(sqlite_url.removeprefix("sqlite:///"))) as db:
-            return str(db.execute("PRAGMA journal_mode").fetchone()[0])
+    path = tmp_path / "idempotency.db"
+    store = await fresh_sql_store(f"sqlite:///{path}", **options)
+    try:
+        assert (await store.claim("", "k", "f", ttl=60, lease=60)).token
+        # The level the store's own connection commits with (2: FULL, 1: NORMAL).
+        connection = store._driver._loop_connection
+        assert connection.execute("PRAGMA synchronous").fetchone()[0] == synchronous
+    finally:
+        await store.aclose()
+    with closing(sqlite3.connect(path)) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == mode
 
-    for options, mode in (({}, "delete"), ({"sqlite_wal": True}, "wal")):
-        store = SQLStore(sqlite_url, **options)
-        try:
-            await store.startup()
-            assert (await store.claim("", f"k{mode}", "f", ttl=60, lease=60)).token
-        finally:
-            await store.aclose()
-        assert journal_mode() == mode
+
+def test_normal_sync_outside_wal_is_refused(tmp_path: Path) -> None:
+    # In a rollback journal, synchronous=NORMAL can corrupt the file on a power cut.
+    with pytest.raises(ConfigurationError, match="needs WAL"):
+        SQLStore(f"sqlite:///{tmp_path / 'i.db'}", sqlite_wal=False, sqlite_synchronous="NORMAL")
 
 
-def test_wal_is_refused_where_it_means_nothing() -> None:
+def test_wal_and_sync_levels_are_refused_where_they_mean_nothing() -> None:
     for url in (POSTGRESQL_URL, "sqlite://", "sqlite:///:memory:"):
-        with pytest.raises(ConfigurationError, match="sqlite_wal"):
-            SQLStore(url, sqlite_wal=True)
+        SQLStore(url)  # the defaults apply to SQLite files only
+        for options in ({"sqlite_wal": True}, {"sqlite_synchronous": "NORMAL"}):
+            with pytest.raises(ConfigurationError, match="SQLite file URL only"):
+                SQLStore(url, **options)

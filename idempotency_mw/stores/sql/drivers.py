@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.dialects import mysql, postgresql, sqlite
@@ -33,6 +33,8 @@ from sqlalchemy.sql.expression import Executable
 from idempotency_mw.exceptions import ConfigurationError
 
 T = TypeVar("T")
+#: SQLite's sync level for the store's connections.
+Synchronous = Literal["FULL", "NORMAL"]
 Rows = Sequence[Sequence[Any]]
 #: When the store's operation under way must be over (``time.monotonic()``): set by SQLStore,
 #: so that a statement waiting for a lock in a thread gives up before its caller does.
@@ -331,18 +333,19 @@ class SQLiteDriver:
     connection holds the lock, the statement runs instead in one worker thread whose connection
     waits for it, but only until the operation's :data:`deadline`: a statement that could not
     run in time never runs later. Connections are opened, and WAL checkpoints run, in that
-    thread. The file's journal mode is left as it is unless ``wal`` asks for WAL (with
-    ``synchronous=NORMAL``).
+    thread. ``wal`` switches the file to WAL; otherwise its journal mode is left as it is.
+    ``synchronous`` is the connections' sync level (``FULL``: a commit survives a power cut).
     """
 
     errors: tuple[type[Exception], ...] = (sqlite3.Error, SQLAlchemyError)
 
-    def __init__(self, url: URL, *, wal: bool = False) -> None:
+    def __init__(self, url: URL, *, wal: bool = True, synchronous: Synchronous = "FULL") -> None:
         self.dialect_name = "sqlite"
         self.url = url
         self._path = url.database or ""
         self._sync_url = url.set(drivername="sqlite+pysqlite")
         self._wal = wal
+        self._synchronous = synchronous
         self._compile = _CompileCache(sqlite.pysqlite.dialect())
         self._loop_connection: sqlite3.Connection | None = None
         self._worker_connection: sqlite3.Connection | None = None
@@ -371,7 +374,7 @@ class SQLiteDriver:
         _busy_wait(connection, busy_seconds)
         if self._wal:
             connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("PRAGMA synchronous=NORMAL")
+        connection.execute(f"PRAGMA synchronous={self._synchronous}")
         return connection
 
     def _worker_execute(self, sql: str, args: tuple[Any, ...], seconds: float) -> sqlite3.Cursor:
@@ -464,19 +467,31 @@ def _busy_wait(connection: Any, seconds: float) -> None:
     connection.execute(f"PRAGMA busy_timeout={milliseconds}")
 
 
-def driver_for(database: str | URL | AsyncEngine, *, sqlite_wal: bool) -> Driver:
+def driver_for(
+    database: str | URL | AsyncEngine,
+    *,
+    sqlite_wal: bool | None = None,
+    sqlite_synchronous: Synchronous = "FULL",
+) -> Driver:
     """The driver for ``database``: a given engine as it is; from a URL, the fastest safe one.
 
-    A SQLite file gets :class:`SQLiteDriver`, ``postgresql`` (or ``+asyncpg``)
-    :class:`AsyncpgDriver`, ``mysql``/``mariadb`` (or ``+asyncmy``) :class:`AsyncmyDriver`;
-    any other async driver named in the URL (psycopg, aiomysql, an in-memory SQLite) goes
-    through SQLAlchemy's engine.
+    A SQLite file gets :class:`SQLiteDriver` (in WAL unless ``sqlite_wal=False``),
+    ``postgresql`` (or ``+asyncpg``) :class:`AsyncpgDriver`, ``mysql``/``mariadb`` (or
+    ``+asyncmy``) :class:`AsyncmyDriver`; any other async driver named in the URL (psycopg,
+    aiomysql, an in-memory SQLite) goes through SQLAlchemy's engine.
     """
+    if sqlite_synchronous not in ("FULL", "NORMAL"):
+        raise ConfigurationError("sqlite_synchronous must be 'FULL' or 'NORMAL'")
     url = None if isinstance(database, AsyncEngine) else async_url(database)
     if url is not None and url.get_backend_name() == "sqlite" and url.database not in _IN_MEMORY:
-        return SQLiteDriver(url, wal=sqlite_wal)
-    if sqlite_wal:
-        raise ConfigurationError("sqlite_wal=True applies to a SQLite file URL only")
+        if sqlite_synchronous == "NORMAL" and sqlite_wal is False:
+            # Outside WAL, NORMAL can corrupt the file on a power cut.
+            raise ConfigurationError("sqlite_synchronous='NORMAL' needs WAL (sqlite_wal=False)")
+        return SQLiteDriver(url, wal=sqlite_wal is not False, synchronous=sqlite_synchronous)
+    if sqlite_wal or sqlite_synchronous != "FULL":
+        raise ConfigurationError(
+            "sqlite_wal=True and sqlite_synchronous apply to a SQLite file URL only"
+        )
     if url is None:
         return SQLAlchemyDriver(cast(AsyncEngine, database), owned=False)
     backend, driver = url.get_backend_name(), url.get_driver_name()
