@@ -193,6 +193,8 @@ class IdempotencyMiddleware:
             if replay_headers_allow is None
             else frozenset(h.lower().encode("latin-1") for h in replay_headers_allow) - deny
         )
+        credentials = tuple(sorted({name.lower() for name in credential_headers}))
+        fingerprinted = tuple(sorted({name.lower() for name in fingerprint_headers}))
         self.app = app
         self.options = Options(
             store=store,
@@ -208,18 +210,13 @@ class IdempotencyMiddleware:
             header_name=header_name,
             read_headers=frozenset(
                 name.lower().encode("latin-1")
-                for name in (
-                    header_name,
-                    "content-length",
-                    *credential_headers,
-                    *fingerprint_headers,
-                )
+                for name in (header_name, "content-length", *credentials, *fingerprinted)
             ),
             routes=RouteTable(routes),
             caller_scope=scope,
-            credential_headers=tuple(sorted({name.lower() for name in credential_headers})),
+            credential_headers=credentials,
             credential_cookies=tuple(sorted(set(credential_cookies))),
-            fingerprint_headers=tuple(sorted({name.lower() for name in fingerprint_headers})),
+            fingerprint_headers=fingerprinted,
             max_request_bytes=max_request_bytes,
             max_response_bytes=max_response_bytes,
             max_header_bytes=max_header_bytes,
@@ -870,6 +867,7 @@ class _Lease:
         self._proven_until = claimed_at + lease
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        #: The renewal sent last, held here so that it runs to its end (see ``_renew``).
         self._in_flight: asyncio.Future[bool | None] | None = None
 
     async def prove_before_start(self) -> bool:

@@ -86,3 +86,23 @@ async def test_credential_headers_and_cookies_are_configurable(store: Store) -> 
     assert other_key.json()["type"].endswith("credential-mismatch")
     assert same.headers["idempotent-replayed"] == "true"
     assert app.state.runs == 1
+
+
+async def test_header_lists_given_as_one_shot_iterables_still_count(store: Store) -> None:
+    # A generator can be read once: the middleware must not read it twice and lose it.
+    app = service(
+        store,
+        credential_headers=(name for name in ["X-Api-Key"]),
+        fingerprint_headers=iter(["X-Tenant"]),
+    )
+    async with client_for(app) as client:
+        first = {"X-Api-Key": "a", "X-Tenant": "acme"}
+        await client.post("/notes", headers=headers("k", **first))
+        other_key = await client.post("/notes", headers=headers("k", **{**first, "X-Api-Key": "b"}))
+        other_tenant = await client.post(
+            "/notes", headers=headers("k", **{**first, "X-Tenant": "beta"})
+        )
+    assert other_key.json()["type"].endswith("credential-mismatch")
+    assert other_tenant.json()["type"].endswith("mismatch")
+    assert not other_tenant.json()["type"].endswith("credential-mismatch")
+    assert app.state.runs == 1
