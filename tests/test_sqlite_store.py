@@ -114,6 +114,12 @@ def test_normal_sync_outside_wal_is_refused(tmp_path: Path) -> None:
         SQLStore(f"sqlite:///{tmp_path / 'i.db'}", sqlite_wal=False, sqlite_synchronous="NORMAL")
 
 
+@pytest.mark.parametrize("level", ["OFF", "full", "EXTRA; DROP TABLE idempotency_records"])
+def test_a_sync_level_other_than_full_or_normal_is_refused(tmp_path: Path, level: str) -> None:
+    with pytest.raises(ConfigurationError, match="'FULL' or 'NORMAL'"):
+        SQLStore(f"sqlite:///{tmp_path / 'i.db'}", sqlite_synchronous=level)
+
+
 def test_wal_and_sync_levels_are_refused_where_they_mean_nothing() -> None:
     for url in (POSTGRESQL_URL, "sqlite://", "sqlite:///:memory:"):
         SQLStore(url)  # the defaults apply to SQLite files only
