@@ -719,6 +719,19 @@ async def pg_costs(n: int, add: Callable[..., None]) -> list[Cost]:
             "the default reset runs a reset query: one more round trip per use",
         )
         await pool.close()
+    try:
+        from idempotency_mw.stores.sql.statement_pool import StatementPool
+    except ImportError:  # a version of the library from before its own pool
+        pass
+    else:
+        statement_pool = StatementPool(lambda: asyncpg.connect(dsn), max_size=2)
+        add(
+            "PostgreSQL",
+            "the store's StatementPool.fetch(SELECT 1)",
+            await timed(lambda: statement_pool.fetch("SELECT 1", ()), n),
+            "no reset, no proxy and no task per release",
+        )
+        await statement_pool.aclose()
 
     async def raw_claim(in_transaction: bool) -> None:
         key, token = f"a-{uuid.uuid4().hex}", uuid.uuid4().hex

@@ -31,6 +31,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import Executable
 
 from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.stores.sql.statement_pool import StatementPool
 
 T = TypeVar("T")
 #: SQLite's sync level for the store's connections.
@@ -236,7 +237,8 @@ class _PooledDriver(abc.ABC):
 
 
 class AsyncpgDriver(_PooledDriver):
-    """PostgreSQL through an asyncpg pool, statements prepared once per connection."""
+    """PostgreSQL through asyncpg on a :class:`StatementPool`, statements prepared once per
+    connection."""
 
     def __init__(self, url: URL) -> None:
         import asyncpg
@@ -245,12 +247,8 @@ class AsyncpgDriver(_PooledDriver):
         self.errors = (asyncpg.PostgresError, asyncpg.InterfaceError, SQLAlchemyError)
         self._dsn = url.set(drivername="postgresql").render_as_string(False)
 
-    async def _open_pool(self) -> Any:
-        import asyncpg
-
-        # The store sets no session state, so returning a connection to the pool needs no
-        # reset query (asyncpg's default costs a round trip each time).
-        return await asyncpg.create_pool(self._dsn, min_size=1, max_size=10, reset=_keep_session)
+    async def _open_pool(self) -> StatementPool:
+        return StatementPool(self.connect, max_size=10)
 
     async def connect(self) -> Any:
         """An asyncpg connection of its own, outside the pool: the caller closes it."""
@@ -258,8 +256,8 @@ class AsyncpgDriver(_PooledDriver):
 
         return await asyncpg.connect(self._dsn)
 
-    async def _close_pool(self, pool: Any) -> None:
-        await pool.close()
+    async def _close_pool(self, pool: StatementPool) -> None:
+        await pool.aclose()
 
     def _may_rerun(self, exc: Exception) -> bool:
         import asyncpg
@@ -269,13 +267,12 @@ class AsyncpgDriver(_PooledDriver):
     async def fetch(self, statement: Executable, params: Mapping[str, Any]) -> Rows:
         compiled = self._compile(statement)
         args = compiled.args(params)
-        rows: Rows = await self._on_pool(lambda pool: pool.fetch(compiled.sql, *args))
-        return rows
+        return await self._on_pool(lambda pool: pool.fetch(compiled.sql, args))
 
     async def change(self, statement: Executable, params: Mapping[str, Any]) -> int:
         compiled = self._compile(statement)
         args = compiled.args(params)
-        status: str = await self._on_pool(lambda pool: pool.execute(compiled.sql, *args))
+        status: str = await self._on_pool(lambda pool: pool.execute(compiled.sql, args))
         return int(status.rsplit(" ", 1)[-1])
 
 
@@ -549,7 +546,3 @@ def _mysql_error_code(exc: Exception) -> object:
     error = exc.orig if isinstance(exc, DBAPIError) else exc
     args = getattr(error, "args", ())
     return args[0] if args else None
-
-
-async def _keep_session(connection: Any) -> None:
-    """A pool reset that does nothing."""
