@@ -4,7 +4,9 @@
    PostgreSQL through asyncpg (INSERT a row, UPDATE it); a claim and a completion on Redis as
    two commands (``SET NX PX``, ``SET XX PX``) through redis-py and through our pipelined
    connection; three SQLite statements through sqlite3 in autocommit (read, upsert, update), on
-   a file in WAL with ``synchronous=FULL`` (the store's default) and with ``NORMAL``.
+   a file in WAL with ``synchronous=FULL`` (the store's default) and with ``NORMAL``. Beside
+   them, for reference, the store's own statements through its own driver, without the store's
+   bookkeeping or the middleware: what its schema and SQL cost over the floor's bare table.
 2. The middleware's own CPU per request, outside store calls: process CPU per request behind
    the middleware, minus bare FastAPI's, minus the CPU spent inside the store's calls (timed by
    a delegating store), beside bare FastAPI's whole request.
@@ -95,6 +97,15 @@ async def floors(n: int, chunk: int, directory: Path) -> dict[str, Summary]:
             connection.execute(f"PRAGMA synchronous={synchronous}")
             connection.execute("CREATE TABLE floor (key TEXT PRIMARY KEY, value BLOB)")
             variants[f"SQLite, 3 statements (WAL, {synchronous})"] = _sqlite_floor(connection, tag)
+            store_sql = await _store_statements(
+                stack,
+                sqlite_url(directory, f"store-{synchronous}.db"),
+                sqlite_synchronous=synchronous,
+            )
+            if store_sql is not None:
+                variants[f"SQLite, the store's 3 statements, its driver (WAL, {synchronous})"] = (
+                    store_sql
+                )
         if not unavailable("ours-postgresql"):
             import asyncpg
 
@@ -105,6 +116,9 @@ async def floors(n: int, chunk: int, directory: Path) -> dict[str, Summary]:
             )
             await pg.execute("TRUNCATE bench_floor")
             variants["PostgreSQL, 2 statements (asyncpg)"] = _postgresql_floor(pg, tag)
+            store_sql = await _store_statements(stack, POSTGRESQL_URL)
+            if store_sql is not None:
+                variants["PostgreSQL, the store's 2 statements, its driver"] = store_sql
         if not unavailable("ours-redis"):
             import redis.asyncio
 
@@ -118,6 +132,47 @@ async def floors(n: int, chunk: int, directory: Path) -> dict[str, Summary]:
                     pipelined.execute, tag
                 )
         return await _timed_rounds(variants, n, chunk)
+
+
+async def _store_statements(
+    stack: AsyncExitStack, url: str, **options: Any
+) -> Callable[[int], Awaitable[None]] | None:
+    """A first request's statements as the store sends them (its claim's, then its completion),
+    through the driver it picks for ``url``, without the store's bookkeeping or the middleware:
+    what the schema and the SQL cost. ``None`` for a version of the library laid out otherwise.
+    ``options`` go to the driver (``sqlite_synchronous``)."""
+    try:
+        from idempotency_mw.stores.sql.claims import CLAIMS
+        from idempotency_mw.stores.sql.drivers import driver_for
+        from idempotency_mw.stores.sql.statements import SILENT
+    except ImportError:
+        return None
+    await prepare_sql(url)
+    driver = driver_for(url, **options)
+    stack.push_async_callback(driver.aclose)
+    claim = CLAIMS[driver.dialect_name]
+    tag = uuid.uuid4().hex[:8]
+
+    async def operation(i: int) -> None:
+        token = uuid.uuid4().hex
+        params = {
+            "p_scope": "",
+            "p_key": f"{tag}-{i}",
+            "p_fingerprint": "f" * 64,
+            "p_binding": "",
+            "p_token": token,
+            "p_ttl_ms": 86_400_000,
+            "p_lease_ms": 60_000,
+            "p_status": "completed",
+            "p_response_status": 201,
+            "p_response_headers": b"\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json",
+            "p_result_payload": BODY,
+        }
+        _, taken = await claim.attempt(driver, params)
+        assert taken
+        assert await driver.change(SILENT.complete, params) == 1
+
+    return operation
 
 
 def _sqlite_floor(connection: sqlite3.Connection, tag: str) -> Callable[[int], Awaitable[None]]:
