@@ -13,6 +13,8 @@ import anyio
 import pytest
 
 from idempotency_mw import ConfigurationError, SQLStore, StoreError
+from idempotency_mw.records import StoredResponse
+from idempotency_mw.stores.sql import drivers
 from tests.conftest import POSTGRESQL_URL, fresh_sql_store
 
 pytestmark = pytest.mark.anyio
@@ -39,6 +41,10 @@ def locked(url: str, how: str) -> Iterator[sqlite3.Connection]:
 def records_in(url: str) -> int:
     with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as db:
         return int(db.execute("SELECT COUNT(*) FROM idempotency_records").fetchone()[0])
+
+
+def wal_bytes(url: str) -> int:
+    return Path(url.removeprefix("sqlite:///") + "-wal").stat().st_size
 
 
 async def test_a_claim_that_timed_out_never_takes_the_key_later(sqlite_url: str) -> None:
@@ -126,3 +132,28 @@ def test_wal_and_sync_levels_are_refused_where_they_mean_nothing() -> None:
         for options in ({"sqlite_wal": True}, {"sqlite_synchronous": "NORMAL"}):
             with pytest.raises(ConfigurationError, match="SQLite file URL only"):
                 SQLStore(url, **options)
+
+
+async def test_the_wal_restarts_under_steady_load(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checkpoints run in a thread. Were the event loop to go on committing meanwhile, no
+    # checkpoint would ever let the WAL restart, and it would keep growing: 5 MB here.
+    monkeypatch.setattr(drivers, "_CHECKPOINT_EVERY", 20)
+    response = StoredResponse(201, [(b"content-type", b"application/json")], b"{}" * 100)
+    store = SQLStore(sqlite_url)
+
+    async def first_request(key: str) -> None:
+        claim = await store.claim("", key, "f", ttl=60, lease=60)
+        assert claim.token is not None
+        assert await store.complete("", key, claim.token, response, ttl=60)
+
+    try:
+        for batch in range(60):  # ten at a time: some wait for a checkpoint in the thread
+            async with anyio.create_task_group() as group:
+                for request in range(10):
+                    group.start_soon(first_request, f"k{batch}-{request}")
+        assert wal_bytes(sqlite_url) < 1_000_000
+    finally:
+        await store.aclose()
+    assert records_in(sqlite_url) == 600

@@ -40,8 +40,10 @@ Rows = Sequence[Sequence[Any]]
 #: When the store's operation under way must be over (``time.monotonic()``): set by SQLStore,
 #: so that a statement waiting for a lock in a thread gives up before its caller does.
 deadline: ContextVar[float] = ContextVar("idempotency_mw_deadline", default=math.inf)
-#: Commits between two WAL checkpoints, which the worker thread runs off the event loop.
-_CHECKPOINT_EVERY = 1000
+#: Changes (about half the commits) between two WAL checkpoints, which the worker thread runs.
+_CHECKPOINT_EVERY = 250
+#: Seconds a checkpoint waits for other processes' readers and writers of the file.
+_RESTART_WAIT = 0.1
 #: Without a deadline (a driver used outside SQLStore), the longest wait for a SQLite lock.
 _LONGEST_BUSY_WAIT = 30.0
 
@@ -329,8 +331,10 @@ class SQLiteDriver:
     (busy timeout 0): tens of microseconds, less than one hop to a thread. When another
     connection holds the lock, the statement runs instead in one worker thread whose connection
     waits for it, but only until the operation's :data:`deadline`: a statement that could not
-    run in time never runs later. Connections are opened, and WAL checkpoints run, in that
-    thread. ``wal`` switches the file to WAL; otherwise its journal mode is left as it is.
+    run in time never runs later. Connections are opened in that thread, and a WAL checkpoint
+    runs there every :data:`_CHECKPOINT_EVERY` changes, statements waiting for it (a few
+    milliseconds) so that the WAL restarts and stays small. ``wal`` switches the file to WAL;
+    otherwise its journal mode is left as it is.
     ``synchronous`` is the connections' sync level (``FULL``: a commit survives a power cut).
     """
 
@@ -348,6 +352,7 @@ class SQLiteDriver:
         self._worker_connection: sqlite3.Connection | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._commits = 0
+        self._checkpointing = False
 
     @property
     def _worker(self) -> ThreadPoolExecutor:
@@ -400,12 +405,13 @@ class SQLiteDriver:
     async def _execute(self, statement: Executable, params: Mapping[str, Any]) -> Any:
         compiled = self._compile(statement)
         args = compiled.args(params)
-        try:
-            cursor = (await self._on_loop()).execute(compiled.sql, args)
-            return cursor.fetchall(), cursor.rowcount
-        except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-                raise
+        if not self._checkpointing:
+            try:
+                cursor = (await self._on_loop()).execute(compiled.sql, args)
+                return cursor.fetchall(), cursor.rowcount
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                    raise
 
         def run(seconds: float) -> tuple[Rows, int]:
             cursor = self._worker_execute(compiled.sql, args, seconds)
@@ -420,14 +426,24 @@ class SQLiteDriver:
     async def change(self, statement: Executable, params: Mapping[str, Any]) -> int:
         count: int = (await self._execute(statement, params))[1]
         self._commits += 1
-        if self._commits % _CHECKPOINT_EVERY == 0:
+        # One checkpoint at a time: on a slow disk they would queue up behind each other.
+        if self._commits >= _CHECKPOINT_EVERY and not self._checkpointing:
+            self._commits = 0
+            self._checkpointing = True
             self._worker.submit(self._checkpoint)
         return count
 
     def _checkpoint(self) -> None:
-        # Failing means another connection is checkpointing; the next round catches up.
-        with contextlib.suppress(sqlite3.Error):
-            self._worker_execute("PRAGMA wal_checkpoint(PASSIVE)", (), 0)
+        # Meanwhile the store's statements queue up behind this one in the worker thread, so
+        # that no commit of ours keeps the checkpoint from finishing: RESTART then has the next
+        # commit start the WAL afresh. (Checkpoints that run beside commits never catch up
+        # under steady load, and the WAL grows without bound.) Failing means another process
+        # is busy with the file; the next round catches up.
+        try:
+            with contextlib.suppress(sqlite3.Error):
+                self._worker_execute("PRAGMA wal_checkpoint(RESTART)", (), _RESTART_WAIT).fetchall()
+        finally:
+            self._checkpointing = False
 
     async def run_sync(self, operation: Callable[[Connection], T]) -> T:
         def run(seconds: float) -> T:
