@@ -115,6 +115,15 @@ class MemoryStore(ClaimsWithToken):
         self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
     ) -> bool:
         status = RecordStatus.UNREPLAYABLE if response is None else RecordStatus.COMPLETED
+        with self._lock:
+            record = self._records.get((scope, key))
+            if (
+                record is not None
+                and record.token == token
+                and record.status is status
+                and not record.expired(self._clock())
+            ):
+                return True  # this completion's own earlier delivery
         return self._change(
             scope,
             key,

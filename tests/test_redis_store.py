@@ -344,7 +344,7 @@ async def test_a_retried_script_call_keeps_its_outcome(store: RedisStore) -> Non
     assert (await store._run("claim", scripts.CLAIM, redis_key, *args))[0] == b"acquired"
     assert (await store._run("claim", scripts.CLAIM, redis_key, *args))[0] == b"acquired"
     assert await store.complete(SCOPE, "k", "token-1", RESPONSE, ttl=60)
-    assert await store.complete(SCOPE, "k", "token-1", None, ttl=60)
+    assert await store.complete(SCOPE, "k", "token-1", RESPONSE, ttl=60)
     assert (await claim(store)).response == RESPONSE
 
 

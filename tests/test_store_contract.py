@@ -59,6 +59,25 @@ async def test_the_same_claim_delivered_twice_acquires_both_times(store: Store) 
     assert replay.outcome is ClaimOutcome.REPLAY
 
 
+@pytest.mark.parametrize("response", [RESPONSE, None], ids=["replayable", "unreplayable"])
+async def test_a_completion_delivered_twice_is_acknowledged_both_times(
+    store: Store, response: StoredResponse | None
+) -> None:
+    # Run again after its reply was lost, a completion must not read as a takeover.
+    token = await acquire(store)
+    assert await store.complete("", "k", token, response, ttl=TTL)
+    assert await store.complete("", "k", token, response, ttl=TTL)
+    again = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
+    if response is None:
+        assert again.outcome is ClaimOutcome.UNREPLAYABLE
+    else:
+        assert again == Claim(ClaimOutcome.REPLAY, response=response)
+    # Another token, or the other kind of outcome, still changes nothing.
+    assert not await store.complete("", "k", new_token(), RESPONSE, ttl=TTL)
+    assert not await store.complete("", "k", token, None if response else RESPONSE, ttl=TTL)
+    assert await store.claim("", "k", "f", ttl=TTL, lease=LEASE) == again
+
+
 async def test_complete_after_ttl_and_lease_both_passed_is_refused(store: Store) -> None:
     # Nobody took the key over, but it counts as absent now: a late writer must not revive it.
     token = await acquire(store, ttl=0.2, lease=0.2)

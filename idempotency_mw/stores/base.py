@@ -40,7 +40,8 @@ class Store(Protocol):
     they return ``False`` and change nothing, so a late writer never revives it.
 
     Every step may reach the backend twice (a reply lost, the statement run again): a claim that
-    finds the record in progress under its own token answers ``ACQUIRED`` with that token again.
+    finds the record in progress under its own token answers ``ACQUIRED`` with that token again,
+    and a completion that finds it settled as it would settle it answers ``True`` again.
 
     Backend failures raise :class:`~idempotency_mw.exceptions.StoreError`.
 

@@ -126,9 +126,16 @@ RENEW = (
     .where(OWNED)
     .values(lease_expires_at=NOW + bindparam("p_lease_ms", type_=BigInteger))
 )
+#: Still in progress under this token, or already settled by this very completion (its own
+#: earlier delivery, whose reply was lost): either way it answers one row.
 COMPLETE = (
     update(records)
-    .where(OWNED)
+    .where(
+        KEY_IS,
+        records.c.token == bindparam("p_token"),
+        records.c.status.in_([IN_PROGRESS, bindparam("p_status")]),
+        not_(EXPIRED),
+    )
     .values(
         status=bindparam("p_status"),
         response_status=bindparam("p_response_status"),

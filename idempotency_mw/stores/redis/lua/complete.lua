@@ -3,8 +3,9 @@
 local key, token, ttl, status = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[5]
 local r = redis.call('HMGET', key, 'status', 'token')
 if r[2] ~= token then return 0 end
--- Only this token's own earlier call (a client retry after a lost reply) can have settled it.
-if r[1] ~= 'in_progress' then return 1 end
+-- Settled as this completion would: only its own earlier delivery, whose reply was lost.
+if r[1] == status then return 1 end
+if r[1] ~= 'in_progress' then return 0 end
 local now = now_ms()
 redis.call('HSET', key, 'status', status, 'lease_expires_at', int(now),
     'expires_at', int(now + ttl))
