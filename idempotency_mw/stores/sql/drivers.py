@@ -189,8 +189,12 @@ class SQLAlchemyDriver:
 class _PooledDriver(abc.ABC):
     """A driver's own connection pool, opened on first use; statements compiled once.
 
-    Subclasses open and close the pool and run the compiled SQL on it. Anything that needs a
-    SQLAlchemy connection (the start-up check) gets one from an engine without a pool.
+    A pool's connections belong to the event loop that opened them. Used from another loop (a
+    ``TestClient`` without ``with`` runs each request in a loop of its own), the driver opens a
+    pool there and leaves the old one to its loop: closed there if that loop still runs, else
+    gone with it. Subclasses open and close the pool and run the compiled SQL on it. Anything
+    that needs a SQLAlchemy connection (the start-up check) gets one from an engine without a
+    pool.
     """
 
     errors: tuple[type[Exception], ...]
@@ -200,7 +204,8 @@ class _PooledDriver(abc.ABC):
         self.url = url
         self._compile = _CompileCache(dialect)
         self._pool: Any = None
-        self._opening = asyncio.Lock()
+        self._pool_loop: asyncio.AbstractEventLoop | None = None
+        self._opening: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._engine: AsyncEngine | None = None
 
     @abc.abstractmethod
@@ -215,12 +220,29 @@ class _PooledDriver(abc.ABC):
 
     async def _on_pool(self, run: Callable[[Any], Awaitable[T]]) -> T:
         """``run(pool)``, run again when it fails in a way ``_may_rerun`` allows."""
-        if self._pool is None:
-            async with self._opening:
-                if self._pool is None:
-                    self._pool = await self._open_pool()
+        loop = asyncio.get_running_loop()
+        if self._pool is None or self._pool_loop is not loop:
+            await self._open_in(loop)
         pool = self._pool
         return await _with_reruns(lambda: run(pool), self._may_rerun)
+
+    async def _open_in(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Open this event loop's pool, once however many callers wait for it."""
+        if self._opening is None or self._opening[0] is not loop:
+            self._opening = (loop, asyncio.Lock())
+        async with self._opening[1]:
+            if self._pool is not None and self._pool_loop is loop:
+                return
+            pool = await self._open_pool()
+            self._leave()
+            self._pool, self._pool_loop = pool, loop
+
+    def _leave(self) -> None:
+        """Forget the pool of another event loop, closing it there if that loop still runs."""
+        pool, loop = self._pool, self._pool_loop
+        self._pool = self._pool_loop = None
+        if pool is not None and loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._close_pool(pool), loop)
 
     async def run_sync(self, operation: Callable[[Connection], T]) -> T:
         if self._engine is None:
@@ -231,9 +253,10 @@ class _PooledDriver(abc.ABC):
             return await conn.run_sync(operation)
 
     async def aclose(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None and self._pool_loop is asyncio.get_running_loop():
             pool, self._pool = self._pool, None
             await self._close_pool(pool)
+        self._leave()
         if self._engine is not None:
             await self._engine.dispose()
 
