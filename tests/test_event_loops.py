@@ -1,66 +1,69 @@
-"""A store used from one event loop after another, as a ``TestClient`` without ``with`` does."""
+"""A store used from one event loop after another, as a ``TestClient`` without ``with`` does
+(FastAPI's own testing example): each request runs in a loop of its own, closed at its end."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
+import json
+import subprocess
+import sys
 import uuid
-import warnings
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
-from fastapi import FastAPI
 
-from idempotency_mw import IdempotencyMiddleware, RedisStore, SQLStore, Store
 from tests.conftest import REDIS_URL, SERVER_DATABASES, fresh_sql_store, require_server
 
-BACKENDS = ["sqlite", "postgresql", "mariadb", "redis"]
+
+def service(kind: str, url: str, *keys: str) -> dict[str, Any]:
+    """What :mod:`tests.loops_agent` reports of ``keys`` sent to a service on ``url``'s store."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.loops_agent", kind, url, *keys],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report: dict[str, Any] = json.loads(done.stdout)
+    return report
 
 
-def store_of(backend: str, tmp_path: Path) -> Store:
-    if backend == "redis":
-        require_server(REDIS_URL)
-        return RedisStore(REDIS_URL, prefix=f"test-loops-{uuid.uuid4().hex}:")
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'idempotency.db'}"
-    else:
-        url = SERVER_DATABASES[backend]
-        require_server(url)
-
-    async def emptied() -> None:
+def emptied(url: str) -> str:
+    async def empty() -> None:
         await (await fresh_sql_store(url)).aclose()
 
-    asyncio.run(emptied())
-    return SQLStore(url)
+    asyncio.run(empty())
+    return url
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_test_client_without_with_gets_every_answer(backend: str, tmp_path: Path) -> None:
-    runs: list[str] = []
-    app = FastAPI()
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb", "redis"])
+def test_a_store_made_from_a_url_answers_every_loop(backend: str, tmp_path: Path) -> None:
+    if backend == "redis":
+        require_server(REDIS_URL)
+        url = REDIS_URL
+    elif backend == "sqlite":
+        url = emptied(f"sqlite:///{tmp_path / 'idempotency.db'}")
+    else:
+        require_server(SERVER_DATABASES[backend])
+        url = emptied(SERVER_DATABASES[backend])
+    a, b = uuid.uuid4().hex, uuid.uuid4().hex
+    report = service("url", url, a, a, b, b)
+    assert report == {"statuses": [201] * 4, "runs": 2, "failures": []}
 
-    @app.post("/tickets", status_code=201)
-    async def create_ticket() -> dict[str, int]:
-        runs.append("ran")
-        return {"id": len(runs)}
 
-    app.add_middleware(IdempotencyMiddleware, store=store_of(backend, tmp_path))
-
-    async def post(app: FastAPI, key: str) -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.post("/tickets", headers={"Idempotency-Key": key})
-
-    # As FastAPI's own testing example does (a TestClient without `with`): each request in an
-    # event loop of its own, closed when the request ends. The connections a closed loop
-    # leaves can only be dropped, and Python says so when it collects them (a ResourceWarning,
-    # silent unless warnings are turned on).
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        answers = [asyncio.run(post(app, key)) for key in ("a", "a", "b", "b")]
-        assert [answer.status_code for answer in answers] == [201] * 4
-        assert [answer.json()["id"] for answer in answers] == [1, 1, 2, 2]
-        assert len(runs) == 2
-        del app
-        gc.collect()
+@pytest.mark.parametrize("backend", list(SERVER_DATABASES))
+def test_an_engine_with_a_pool_fails_as_the_store_and_names_the_way_out(backend: str) -> None:
+    require_server(SERVER_DATABASES[backend])
+    url = emptied(SERVER_DATABASES[backend])
+    # The engine's pool hands the second loop a connection of the first: 503, not 500.
+    report = service("engine", url, "a", "b")
+    assert report["statuses"] == [201, 503]
+    assert "give the engine poolclass=NullPool" in report["failures"][0]
+    # Without a pool, as SQLAlchemy advises, every loop gets its answer.
+    assert service("engine-nullpool", url, "c", "c", "d") == {
+        "statuses": [201] * 3,
+        "runs": 2,
+        "failures": [],
+    }

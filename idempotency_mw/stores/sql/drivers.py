@@ -44,6 +44,8 @@ deadline: ContextVar[float] = ContextVar("idempotency_mw_deadline", default=math
 _CHECKPOINT_EVERY = 250
 #: Seconds a checkpoint waits for other processes' readers and writers of the file.
 _RESTART_WAIT = 0.1
+#: What asyncio says when an object of one event loop is used from another.
+_OTHER_LOOP = ("attached to a different loop", "bound to a different event loop")
 #: Without a deadline (a driver used outside SQLStore), the longest wait for a SQLite lock.
 _LONGEST_BUSY_WAIT = 30.0
 
@@ -171,7 +173,17 @@ class SQLAlchemyDriver:
             async with self._engine.connect() as conn:
                 return await conn.run_sync(operation)
 
-        return await _with_reruns(run, _deadlock)
+        try:
+            return await _with_reruns(run, _deadlock)
+        except RuntimeError as exc:
+            if not any(sign in str(exc) for sign in _OTHER_LOOP):
+                raise
+            # A failure of the store (503 and logged), with the way out, rather than a 500.
+            raise ConnectionError(
+                "the engine's pooled connection belongs to another event loop: when requests "
+                "run in event loops of their own (a TestClient without `with`), give the "
+                "engine poolclass=NullPool"
+            ) from exc
 
     async def detached_connection(self) -> Any:
         """The driver's own connection, made as the engine makes its connections, taken out of
