@@ -77,8 +77,10 @@ def _migrate(args: argparse.Namespace) -> int:
             raise
         raise _Failed(
             "the table exists, but no revision of it is recorded here: it was made by another "
-            "Alembic history (recipe A) or create_all; keep that history, or record ours in it "
-            "with `alembic stamp idempotency_mw@head`",
+            "Alembic history or create_all. If your own Alembic project includes our revisions "
+            "(recipe B), upgrade there: `alembic upgrade heads`; otherwise (recipe A, "
+            "create_all) keep that history, or record ours in it with "
+            "`alembic stamp idempotency_mw@head`",
             2,
         ) from exc
     print(f"{PROG}: {args.command} to {args.revision} done")
@@ -115,7 +117,8 @@ async def _purged(url: str, batch_size: int) -> str:
     if report.self_expiring:
         return "Redis expires records by itself (TTL): nothing to purge"
     return (
-        f"purged {report.deleted} expired records in {report.seconds:.3f} s "
+        f"purged {report.deleted} expired {'record' if report.deleted == 1 else 'records'} "
+        f"in {report.seconds:.3f} s "
         f"({report.batches} {'batch' if report.batches == 1 else 'batches'} of at most "
         f"{batch_size})"
     )

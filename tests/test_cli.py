@@ -315,7 +315,7 @@ async def test_purge_deletes_what_stats_counts_as_expired(
     if target.name == "redis":
         assert out == "idempotency-mw: Redis expires records by itself (TTL): nothing to purge\n"
     else:
-        assert out.startswith("idempotency-mw: purged 1 expired records")
+        assert out.startswith("idempotency-mw: purged 1 expired record in ")
     code, shown = await target.json(capsys, "stats")
     assert code == 0
     assert shown["total"] == 1

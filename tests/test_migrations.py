@@ -404,6 +404,8 @@ def test_cli_reports_a_failed_statement_in_one_line(
     err = capsys.readouterr().err
     _assert_one_line_error(err)
     assert "alembic stamp idempotency_mw@head" in err
+    # The table of a project of the user's own that includes our revisions is upgraded there.
+    assert "recipe B), upgrade there: `alembic upgrade heads`" in err
 
 
 # --- an application's own Alembic project -----------------------------------------------------
