@@ -115,15 +115,6 @@ class MemoryStore(ClaimsWithToken):
         self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
     ) -> bool:
         status = RecordStatus.UNREPLAYABLE if response is None else RecordStatus.COMPLETED
-        with self._lock:
-            record = self._records.get((scope, key))
-            if (
-                record is not None
-                and record.token == token
-                and record.status is status
-                and not record.expired(self._clock())
-            ):
-                return True  # this completion's own earlier delivery
         return self._change(
             scope,
             key,
@@ -131,6 +122,7 @@ class MemoryStore(ClaimsWithToken):
             lambda record, now: dataclasses.replace(
                 record, status=status, response=response, lease_ends=now, expires=now + ttl
             ),
+            settled_as=status,
         )
 
     async def release(self, scope: str, key: str, token: str) -> bool:
@@ -156,12 +148,22 @@ class MemoryStore(ClaimsWithToken):
         key: str,
         token: str,
         change: Callable[[_Record, float], _Record | None],
+        *,
+        settled_as: RecordStatus | None = None,
     ) -> bool:
-        """Apply ``change`` to the record ``token`` owns (``None`` deletes it); whether it did."""
+        """Apply ``change`` to the record ``token`` owns (``None`` deletes it); whether it did.
+
+        A live record this token already settled as ``settled_as`` is this change's own earlier
+        delivery: it counts as done, unchanged.
+        """
         with self._lock:
             now = self._clock()
             record = self._records.get((scope, key))
-            if record is None or not record.owned_by(token, now):
+            if record is None:
+                return False
+            if record.token == token and record.status is settled_as:
+                return not record.expired(now)
+            if not record.owned_by(token, now):
                 return False
             changed = change(record, now)
             if changed is None:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import sys
+import uuid
 
 import httpx
 from fastapi import FastAPI
@@ -26,18 +27,27 @@ from idempotency_mw.stores.sql.drivers import async_url
 
 def store_of(kind: str, url: str) -> Store:
     if url.startswith("redis"):
-        return RedisStore(url, prefix="test-loops:")
+        return RedisStore(url, prefix=f"test-loops-{uuid.uuid4().hex}:")
     if kind == "url":
         return SQLStore(url)
     pool = {"poolclass": NullPool} if kind == "engine-nullpool" else {}
     return SQLStore(create_async_engine(async_url(url), **pool))
 
 
+class Failures(logging.Handler):
+    """The messages the middleware logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def main(kind: str, url: str, keys: list[str]) -> None:
-    failures: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: failures.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("idempotency_mw").addHandler(handler)
+    failures = Failures()
+    logging.getLogger("idempotency_mw").addHandler(failures)
     runs: list[str] = []
     app = FastAPI()
 
@@ -46,7 +56,8 @@ def main(kind: str, url: str, keys: list[str]) -> None:
         runs.append("ran")
         return {"id": len(runs)}
 
-    app.add_middleware(IdempotencyMiddleware, store=store_of(kind, url))
+    # Records of a minute: the test's own go soon, in Redis too.
+    app.add_middleware(IdempotencyMiddleware, store=store_of(kind, url), ttl=60)
 
     async def post(key: str) -> int:
         transport = httpx.ASGITransport(app=app)
@@ -55,7 +66,7 @@ def main(kind: str, url: str, keys: list[str]) -> None:
             return answer.status_code
 
     statuses = [asyncio.run(post(key)) for key in keys]
-    print(json.dumps({"statuses": statuses, "runs": len(runs), "failures": failures}))
+    print(json.dumps({"statuses": statuses, "runs": len(runs), "failures": failures.messages}))
 
 
 if __name__ == "__main__":

@@ -265,10 +265,12 @@ class _PooledDriver(abc.ABC):
             return await conn.run_sync(operation)
 
     async def aclose(self) -> None:
-        if self._pool is not None and self._pool_loop is asyncio.get_running_loop():
-            pool, self._pool = self._pool, None
+        pool = self._pool
+        if pool is not None and self._pool_loop is asyncio.get_running_loop():
+            self._pool = self._pool_loop = None
             await self._close_pool(pool)
-        self._leave()
+        else:
+            self._leave()
         if self._engine is not None:
             await self._engine.dispose()
 
