@@ -30,17 +30,31 @@ from idempotency_mw.testing import MemoryStore
 from tests.client_support import FakeTime, Server, sqlite_store_at
 from tests.faults import PostgreSQLServer, RedisServer, StoreServer
 from tests.redis_servers import RedisCluster, RedisSentinel
-from tests.scratch import scratch_database
+from tests.scratch import (
+    create_run_databases,
+    drop_run_databases,
+    run_database_url,
+    scratch_database,
+)
 
 S = TypeVar("S", bound=StoreServer)
 
 REQUIRE_SERVERS = os.environ.get("IDEMPOTENCY_REQUIRE_SERVERS") == "1"
 
-POSTGRESQL_URL = os.environ.get(
-    "IDEMPOTENCY_TEST_POSTGRESQL_URL", "postgresql://postgres@127.0.0.1:5432/test"
+#: Every run makes databases of its own on the servers these variables name (their database
+#: is only the one the run connects to for CREATE DATABASE), and drops them when it ends.
+RUN_ID = f"{os.getpid()}_{uuid.uuid4().hex[:6]}"
+SERVER_URLS = {
+    "postgresql": os.environ.get(
+        "IDEMPOTENCY_TEST_POSTGRESQL_URL", "postgresql://postgres@127.0.0.1:5432/test"
+    ),
+    "mariadb": os.environ.get("IDEMPOTENCY_TEST_MARIADB_URL", "mysql://root@127.0.0.1:3306/test"),
+}
+POSTGRESQL_URL, MARIADB_URL = (
+    run_database_url(url, RUN_ID) for url in (SERVER_URLS["postgresql"], SERVER_URLS["mariadb"])
 )
-MARIADB_URL = os.environ.get("IDEMPOTENCY_TEST_MARIADB_URL", "mysql://root@127.0.0.1:3306/test")
-REDIS_URL = os.environ.get("IDEMPOTENCY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+#: Redis keeps the run's keys under prefixes of each test's own, in a database that is not 0.
+REDIS_URL = os.environ.get("IDEMPOTENCY_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 
 SERVER_DATABASES = {"postgresql": POSTGRESQL_URL, "mariadb": MARIADB_URL}
 DATABASES = ["sqlite", *SERVER_DATABASES]
@@ -61,6 +75,14 @@ def _missing(message: str) -> NoReturn:
     if REQUIRE_SERVERS:
         pytest.fail(message + " (IDEMPOTENCY_REQUIRE_SERVERS=1)")
     pytest.skip(message)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    create_run_databases(SERVER_URLS.values(), RUN_ID)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    drop_run_databases(SERVER_URLS.values(), RUN_ID)
 
 
 @pytest.fixture(scope="session")

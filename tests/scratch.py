@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 
 from sqlalchemy import make_url, text
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -45,3 +45,32 @@ def scratch_database(url: str, purpose: str) -> Iterator[str]:
         yield parsed.set(database=name).render_as_string(hide_password=False)
     finally:
         run_on_server(url, drop)
+
+
+def run_database_url(url: str, run_id: str) -> str:
+    """The URL of the run's own database on ``url``'s server."""
+    parsed = make_url(url)
+    return parsed.set(database=f"idem_run_{run_id}").render_as_string(hide_password=False)
+
+
+def _drop_statement(url: str, name: str) -> str:
+    drop = f"DROP DATABASE IF EXISTS {name}"
+    if make_url(url).get_backend_name() == "postgresql":
+        drop += " WITH (FORCE)"  # no connection of a failed run may keep it alive
+    return drop
+
+
+def create_run_databases(urls: Iterable[str], run_id: str) -> None:
+    """Make the run's own database on each server that answers (a missing one skips later)."""
+    name = f"idem_run_{run_id}"
+    for url in urls:
+        with suppress(Exception):
+            run_on_server(url, _drop_statement(url, name), f"CREATE DATABASE {name}")
+
+
+def drop_run_databases(urls: Iterable[str], run_id: str) -> None:
+    """Drop the run's own databases."""
+    name = f"idem_run_{run_id}"
+    for url in urls:
+        with suppress(Exception):
+            run_on_server(url, _drop_statement(url, name))
