@@ -602,7 +602,7 @@ async def micro_costs(n: int, directory: Path, have_pg: bool, have_redis: bool) 
     scope = http_scope(PATH, headers=[(b"idempotency-key", b"abc")], body_length=len(BODY))
     scope["app"] = app
     middleware = IdempotencyMiddleware(app, store=SQLStore(sqlite_url(directory, "unused.db")))
-    routes = middleware.options.routes
+    routes = middleware.routes
     add(
         "middleware",
         "RouteTable.resolve (cached route match for the template)",

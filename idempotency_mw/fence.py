@@ -8,9 +8,12 @@ A fenced commit closes it: the idempotency record moves with the application's o
 from __future__ import annotations
 
 import contextvars
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio.from_thread
 
 from idempotency_mw.exceptions import ConfigurationError, LeaseLost
 
@@ -20,22 +23,56 @@ if TYPE_CHECKING:
     from idempotency_mw.stores.base import Store
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CurrentClaim:
-    """The claim of the request being handled, as the middleware made it."""
+    """The claim of the call being handled, as the claim engine made it."""
 
     store: Store
     scope: str
     key: str
     token: str
+    #: Set once ``fence()`` marked the effect in the app's transaction: from then on nothing
+    #: can take the key over, so a lost lease never stops the call.
+    fenced: bool = False
 
 
 #: The request reached a guarded route without a key: there is no claim to fence.
 UNKEYED = "unkeyed"
+#: The store failed and the middleware runs the request unprotected (``fail_open``).
+UNPROTECTED = "unprotected"
 #: Set by the middleware around the handler; copied into its tasks and worker threads.
 current_claim: contextvars.ContextVar[CurrentClaim | str | None] = contextvars.ContextVar(
     "idempotency_mw_current_claim", default=None
 )
+
+
+#: What the route's door gets when the claim waits for the endpoint (its caller's scope comes
+#: from one of the endpoint's dependencies).
+AT_THE_ENDPOINT = "at-the-endpoint"
+
+
+class Entrance(Protocol):
+    """What the doors of a route (and a ``fence()`` before its endpoint) ask of the request's
+    exchange."""
+
+    async def enter(self, caller_scope: object, *, endpoint: bool) -> CurrentClaim | str | None:
+        """Claim the key, at the route's door or (``endpoint``) the endpoint's, whose
+        ``caller_scope`` is the scope dependency's value or ``None``: the claim to hand
+        ``fence()`` when the request may go on, ``None`` when it was answered instead (a
+        replay, a refusal), or :data:`AT_THE_ENDPOINT` from the route's door of a route whose
+        claim needs the endpoint's dependencies."""
+        ...
+
+
+#: The exchange of the keyed request being handled, until its key is claimed at the door.
+current_entrance: contextvars.ContextVar[Entrance | None] = contextvars.ContextVar(
+    "idempotency_mw_current_entrance", default=None
+)
+
+
+class AnsweredInstead(Exception):
+    """Raised by ``fence()`` before the endpoint (in a dependency) when the key's claim found
+    a replay or a refusal, which the middleware answered: the transaction must roll back."""
 
 
 async def fence(session: Any, *, store: Store | None = None) -> None:
@@ -47,9 +84,14 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
     :class:`~idempotency_mw.LeaseLost` is raised and the transaction must roll back: the effect
     is never committed twice. Once committed, the key never runs again within its TTL. A
     request sent without a key (on a route where the key is optional) has nothing to fence:
-    ``fence`` then does nothing.
+    ``fence`` then does nothing, and so it does for a request the middleware runs unprotected
+    because its store failed (``fail_open=True``).
     """
-    if current_claim.get() == UNKEYED:
+    entrance = current_entrance.get()
+    if current_claim.get() is None and entrance is not None:
+        # Before the endpoint's door (in a dependency): the effect begins here.
+        current_claim.set(await entrance.enter(None, endpoint=False))
+    if current_claim.get() in (UNKEYED, UNPROTECTED):
         return
     claim, target = _claim_and_store(store)
     if not session.in_transaction():
@@ -62,11 +104,18 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
     statement, params = target.fence_statement(claim.scope, claim.key, claim.token)
     result = await connection.execute(statement, params)
     _check_owned(result.rowcount)
+    claim.fenced = True
 
 
 def fence_sync(session: Any, *, store: Store | None = None) -> None:
     """:func:`fence` for a synchronous ``Session`` or ``Connection`` (a sync endpoint)."""
-    if current_claim.get() == UNKEYED:
+    entrance = current_entrance.get()
+    if current_claim.get() is None and entrance is not None:
+        # Before the endpoint's door (in a dependency, in a worker thread): claimed in the loop.
+        current_claim.set(
+            anyio.from_thread.run(functools.partial(entrance.enter, None, endpoint=False))
+        )
+    if current_claim.get() in (UNKEYED, UNPROTECTED):
         return
     claim, target = _claim_and_store(store)
     if not session.in_transaction():
@@ -78,10 +127,18 @@ def fence_sync(session: Any, *, store: Store | None = None) -> None:
     _check_same_database(target, connection.engine.url)
     statement, params = target.fence_statement(claim.scope, claim.key, claim.token)
     _check_owned(connection.execute(statement, params).rowcount)
+    claim.fenced = True
 
 
 def _claim_and_store(store: Store | None) -> tuple[CurrentClaim, Any]:
     claim = current_claim.get()
+    if claim == AT_THE_ENDPOINT:
+        raise ConfigurationError(
+            "fence() on a route whose caller scope comes from a dependency "
+            "(@idempotent(scope=...)) must run in the endpoint, not in another dependency"
+        )
+    if claim is None and current_entrance.get() is not None:
+        raise AnsweredInstead("the middleware answered this request with a replay or a refusal")
     if not isinstance(claim, CurrentClaim):
         raise ConfigurationError(
             "fence() is only for a request guarded by IdempotencyMiddleware with a key "

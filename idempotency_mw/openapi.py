@@ -8,20 +8,32 @@ header of replayed responses.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from idempotency_mw.policy import app_routes
+from idempotency_mw.options import Options
+from idempotency_mw.policy import RouteTable, app_routes
 from idempotency_mw.problems import Problem
-
-if TYPE_CHECKING:
-    from idempotency_mw.middleware import Options
 
 _MARK = "__idempotency_documented__"
 _PROBLEM_SCHEMA = "IdempotencyProblem"
 _PROBLEM_REF = {"$ref": f"#/components/schemas/{_PROBLEM_SCHEMA}"}
 
 
-def document_openapi(app: object, options: Options, prefix: str = "") -> None:
+def problem_answers(options: Options) -> dict[int, str]:
+    """The statuses of the problem answers the middleware may give, described."""
+    answers = {
+        400: "Idempotency-Key missing where required, or invalid",
+        409: "Key in use by a request still running, reused with a different request, "
+        "or its response cannot be replayed",
+        413: "Request body too large to fingerprint",
+        503: "Idempotency store unavailable, or the key could no longer be held",
+    }
+    if options.mismatch_status == 422:
+        answers[422] = "Key reused with a different request"
+    return answers
+
+
+def document_openapi(app: object, options: Options, routes: RouteTable, prefix: str = "") -> None:
     """Wrap ``app.openapi`` (once) so the schema documents what the middleware does; the same
     for the FastAPI applications mounted in it (under ``prefix``, their mount path).
 
@@ -31,31 +43,33 @@ def document_openapi(app: object, options: Options, prefix: str = "") -> None:
     for route in getattr(app, "routes", ()):
         mounted = getattr(route, "app", None)
         if hasattr(route, "path") and hasattr(mounted, "openapi"):
-            document_openapi(mounted, options, prefix + route.path)
+            document_openapi(mounted, options, routes, prefix + route.path)
     generate: Callable[[], dict[str, Any]] | None = getattr(app, "openapi", None)
     if generate is None or getattr(generate, _MARK, False):
         return
 
     def openapi() -> dict[str, Any]:
         schema = generate()
-        _document(schema, app, options, prefix)
+        _document(schema, app, options, routes, prefix)
         return schema
 
     setattr(openapi, _MARK, True)
     setattr(app, "openapi", openapi)  # noqa: B010  (FastAPI's documented extension point)
 
 
-def _document(schema: dict[str, Any], app: object, options: Options, prefix: str) -> None:
+def _document(
+    schema: dict[str, Any], app: object, options: Options, routes: RouteTable, prefix: str
+) -> None:
     paths: dict[str, Any] = schema.get("paths", {})
     guarded = False
-    for route in app_routes(app):
+    for route in app_routes(app) or ():
         operations = paths.get(route.template, {})
         for method in sorted(options.methods & (route.methods or options.methods)):
             operation = operations.get(method.lower())
             if operation is None:
                 continue
             # Policies name the full template, as requests reach it through the mounts.
-            policy = options.routes.policy_for(method, prefix + route.template, route.endpoint)
+            policy = routes.policy_for(method, prefix + route.template, route.endpoint)
             _document_operation(
                 operation, options, required=options.defaults.merge(policy).required
             )
@@ -85,7 +99,7 @@ def _document_operation(operation: dict[str, Any], options: Options, *, required
             }
         )
     responses: dict[str, Any] = operation.setdefault("responses", {})
-    for code, answer in sorted(options.problem_answers().items()):
+    for code, answer in sorted(problem_answers(options).items()):
         response = responses.setdefault(str(code), {"description": answer})
         response.setdefault("content", {}).setdefault(
             "application/problem+json", {"schema": _PROBLEM_REF}

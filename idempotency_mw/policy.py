@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Literal, TypedDict, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar, cast
 
-from starlette.routing import Match
+from starlette.routing import Match, Router
 from starlette.types import Scope
 
+from idempotency_mw.door import with_scope_dependency
 from idempotency_mw.exceptions import ConfigurationError
 
 _POLICY_ATTRIBUTE = "__idempotency_policy__"
@@ -51,6 +52,8 @@ class RoutePolicy:
     release_statuses: frozenset[int] | None = None
     fingerprint: FingerprintMode | None = None
     wait: float | None = None
+    #: The caller's scope comes from the endpoint's dependency (``@idempotent(scope=...)``).
+    scoped: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,7 @@ class Settings:
     release_statuses: frozenset[int]
     fingerprint: FingerprintMode
     wait: float
+    scoped: bool = False
 
     def merge(self, policy: RoutePolicy | None) -> Settings:
         """These settings overridden by whatever ``policy`` sets."""
@@ -75,6 +79,7 @@ class Settings:
             release_statuses=_either(policy.release_statuses, self.release_statuses),
             fingerprint=_either(policy.fingerprint, self.fingerprint),
             wait=_either(policy.wait, self.wait),
+            scoped=_either(policy.scoped, self.scoped),
         )
 
 
@@ -138,19 +143,29 @@ def idempotent(
     release_statuses: Iterable[int] | None = None,
     fingerprint: FingerprintMode | None = None,
     wait: Duration | None = None,
+    scope: object = None,
 ) -> Callable[[Endpoint], Endpoint]:
-    """Per-route settings for the endpoint it decorates; the endpoint itself is unchanged.
+    """Per-route settings for the endpoint it decorates (put it below the route decorator).
 
     ``ttl``: how long a completed response is replayed (seconds or timedelta);
     ``required``: whether requests without a key are rejected with 400;
     ``lease``: how long an in-progress claim is honoured before a retry may take it over;
-    ``release_statuses``: 4xx answers that prove nothing ran, so the key is released;
+    ``release_statuses``: 4xx answers of this endpoint that prove it did nothing, so the key
+    is released instead of recorded (by default every answer below 500 is recorded);
     ``fingerprint``: ``"json"`` to compare JSON bodies by content, not bytes;
-    ``wait``: how long a duplicate waits for the first request's outcome before 409.
+    ``wait``: how long a duplicate waits for the first request's outcome before 409;
+    ``scope``: a FastAPI dependency (``Depends(current_user)``) whose value, a non-empty
+    string, is the caller's scope of this route's keys; its own errors (a 401) are the app's
+    answers, given before any key is claimed. The endpoint is then wrapped, so that FastAPI
+    resolves the dependency with the endpoint's others.
     """
     policy = make_policy(ttl, required, lease, release_statuses, fingerprint, wait)
+    if scope is not None:
+        policy = replace(policy, scoped=True)
 
     def decorate(endpoint: Endpoint) -> Endpoint:
+        if scope is not None:
+            endpoint = cast(Endpoint, with_scope_dependency(endpoint, scope))
         setattr(endpoint, _POLICY_ATTRIBUTE, policy)
         return endpoint
 
@@ -172,6 +187,8 @@ class Resolved:
 
     template: str
     policy: RoutePolicy | None
+    #: The route object the app dispatches to (``None`` where the app's routes are opaque).
+    route: object = None
 
 
 class RouteTable:
@@ -261,7 +278,11 @@ class RouteTable:
         resolved = (
             None
             if found is None
-            else Resolved(found[0], self.policy_for(scope["method"], found[0], found[1]))
+            else Resolved(
+                found[0],
+                self.policy_for(scope["method"], found[0], getattr(found[1], "endpoint", None)),
+                found[1],
+            )
         )
         if len(self._cache) >= _CACHE_SIZE:
             self._cache.clear()
@@ -281,10 +302,11 @@ class RouteTable:
         return self._tree
 
 
-def app_routes(app: object) -> list[RouteInfo]:
-    """Every HTTP endpoint of ``app`` with its full template (empty for a bare ASGI app)."""
+def app_routes(app: object) -> list[RouteInfo] | None:
+    """Every HTTP endpoint of ``app`` with its full template (``None`` for an app whose routes
+    cannot be read: not Starlette's)."""
     routes = _routes_of(app)
-    return [] if routes is None else list(_leaves(_build(routes), ""))
+    return None if routes is None else list(_leaves(_build(routes), ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,9 +331,12 @@ class _Tree:
 
 
 def _routes_of(app: object) -> Sequence[Any] | None:
+    """The routes of a Starlette (or FastAPI) app or router; ``None`` for any other app
+    (Litestar's routes, say, are not dispatched the way this module reads them)."""
     router = getattr(app, "router", app)
-    routes = getattr(router, "routes", None)
-    return routes if isinstance(routes, Sequence) else None
+    if not isinstance(router, Router):
+        return None
+    return router.routes
 
 
 def _build(routes: Sequence[Any]) -> list[_Node]:
@@ -323,9 +348,10 @@ def _build(routes: Sequence[Any]) -> list[_Node]:
             nodes.append(_Node(route, str(template), route.endpoint))
         elif hasattr(route, "matches"):
             # A Mount (its path is the prefix) or a Host (no path); an app mounted without
-            # routes of its own is opaque: any path under it is guarded.
+            # routes this module can read is opaque: any path under it is guarded.
             prefix = getattr(route, "path", "")
-            inner = _build(children) if isinstance(children, Sequence) and children else None
+            inner_routes = _routes_of(getattr(route, "app", None))
+            inner = _build(inner_routes) if inner_routes else None
             nodes.append(
                 _Node(
                     route,
@@ -355,6 +381,7 @@ def _effective(routes: Sequence[Any]) -> Iterator[Any]:
 
 
 def _resolve_in(nodes: list[_Node], scope: Scope) -> tuple[str, object] | None:
+    """The full template and the route object (``None`` inside an opaque mount)."""
     """Like Starlette's router: the first full match wins; a path match alone means 405."""
     for node in nodes:
         match, child_scope = node.route.matches(scope)
@@ -367,7 +394,7 @@ def _resolve_in(nodes: list[_Node], scope: Scope) -> tuple[str, object] | None:
             inner = _resolve_in(node.children, {**scope, **child_scope})
             return None if inner is None else (node.template + inner[0], inner[1])
         if match is Match.FULL:
-            return node.template, node.endpoint
+            return node.template, node.route
         # PARTIAL: the path is a route's but not the method; unless a later route takes the
         # method, the app answers 405, which is not ours to guard.
     return None

@@ -47,7 +47,7 @@ from idempotency_mw import (
     Store,
     fence,
     idempotent,
-    middleware,
+    waiting,
 )
 
 KEY_HEADER = "idempotency-key"
@@ -215,7 +215,7 @@ def create_app(
         options.setdefault("on_lease_lost", env["RELIABILITY_ON_LEASE_LOST"])
     if "RELIABILITY_POLL_CAP" in env:
         # With a settlement feed and without (the latter is all an older version knows).
-        middleware._LAST_POLL = middleware._LAST_POLL_FED = float(env["RELIABILITY_POLL_CAP"])
+        waiting._LAST_POLL = waiting._LAST_POLL_FED = float(env["RELIABILITY_POLL_CAP"])
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, lease=lease, scope=caller_of, **options)
     app.state.effects = effects

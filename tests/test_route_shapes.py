@@ -255,7 +255,7 @@ async def test_openapi_documents_router_routes(sqlite_store: SQLStore) -> None:
 async def test_resolution_is_cached_per_method_and_path(sqlite_store: SQLStore) -> None:
     app = service(sqlite_store)
     middleware = IdempotencyMiddleware(app.router, store=sqlite_store)
-    table = middleware.options.routes
+    table = middleware.routes
     scope: dict[str, Any] = {
         "type": "http",
         "method": "POST",
@@ -292,7 +292,7 @@ async def test_settings_merge_field_by_field_across_the_decorator_and_the_mappin
         app,
         store=MemoryStore(),
         routes={"/v1/*": {"required": True, "ttl": 5}, "POST /v1/jobs": {"lease": 7}},
-    ).options.routes.policy_for("POST", "/v1/jobs", start_job)
+    ).routes.policy_for("POST", "/v1/jobs", start_job)
     assert policy is not None
     assert (policy.ttl, policy.required, policy.lease) == (60, True, 7)
 

@@ -73,12 +73,17 @@ async def test_a_validation_error_is_not_recorded_so_the_fixed_body_runs(store: 
 
 
 @pytest.mark.parametrize("status", [401, 403, 404, 405, 406, 408, 413, 415, 422, 429])
-async def test_refusals_release_the_key(store: Store, status: int) -> None:
+async def test_an_endpoint_that_answers_4xx_itself_ran_and_is_replayed(
+    store: Store, status: int
+) -> None:
+    """A handler that charged a card and answered 422 "card declined" acted: it never runs
+    again for the same key, whatever its status (a retry gets the same answer)."""
     app = service(store)
     async with client_for(app) as client:
-        answers = [await client.post(f"/answer/{status}", headers=key("k")) for _ in range(2)]
-    assert [a.status_code for a in answers] == [status, status]
-    assert app.state.calls[f"answer-{status}"] == 2
+        answers = [await client.post(f"/answer/{status}", headers=key("k")) for _ in range(3)]
+    assert [a.status_code for a in answers] == [status] * 3
+    assert [a.headers.get("idempotent-replayed") for a in answers] == [None, "true", "true"]
+    assert app.state.calls[f"answer-{status}"] == 1
 
 
 async def test_other_client_errors_stay_recorded(store: Store) -> None:
@@ -90,7 +95,7 @@ async def test_other_client_errors_stay_recorded(store: Store) -> None:
 
 
 async def test_release_statuses_per_route_and_validation_errors_always(store: Store) -> None:
-    app = service(store, release_statuses=[])
+    app = service(store)
     async with client_for(app) as client:
         recorded_404 = [await client.post("/answer/404", headers=key("a")) for _ in range(2)]
         strict_409 = [await client.post("/strict/409", headers=key("b")) for _ in range(2)]

@@ -1,0 +1,178 @@
+"""The doors of a route: where a keyed request's claim is taken, and where its endpoint begins.
+
+The middleware gives each route it guards doors, once. The route's door, on its ASGI app, is
+passed after every layer inside the middleware: a request an inner layer refuses (a 401, a 429)
+never touches the store. The key is claimed there, and a replay or a refusal found is answered
+by the middleware: the route does not run. A FastAPI route also gets the endpoint's door, on
+its endpoint function, passed after FastAPI's validation and the route's dependencies: only a
+request that passed it has begun, so only its answers are recorded; one refused before it (a
+validation error, a dependency's ``HTTPException``) releases its key, unless ``fence()`` marked
+an effect in a dependency. A route whose caller scope comes from a dependency
+(``@idempotent(scope=Depends(...))``) is claimed at the endpoint's door instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio.from_thread
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.fence import AT_THE_ENDPOINT, current_claim, current_entrance
+
+#: The name of the parameter through which ``@idempotent(scope=Depends(...))`` hands the door
+#: the caller's scope (FastAPI resolves it with the endpoint's other dependencies).
+SCOPE_PARAMETER = "idempotency_caller_scope__"
+_DOOR = "__idempotency_door__"
+
+
+#: How far the app shows a request's way: the route's door only, or the endpoint's too.
+ROUTE = "route"
+ENDPOINT = "endpoint"
+
+
+def doors_of(route: object) -> str | None:
+    """Give ``route`` its doors, unless it has them or cannot have them: :data:`ENDPOINT` when
+    it has the endpoint's door too, :data:`ROUTE` when only the route's, ``None`` for none.
+
+    A FastAPI endpoint that is a generator gets no endpoint's door: its body runs after the
+    response began.
+    """
+    doors: str | None = getattr(route, _DOOR, None)
+    if doors is not None:
+        return doors
+    if not (hasattr(route, "endpoint") and callable(getattr(route, "app", None))):
+        return None
+    doors = ROUTE
+    dependant = getattr(route, "dependant", None)
+    if dependant is not None:
+        call = dependant.call
+        if not (inspect.isasyncgenfunction(call) or inspect.isgeneratorfunction(call)):
+            dependant.call = _endpoint_door(call)
+            doors = ENDPOINT
+    route.app = _route_door(route.app)  # type: ignore[attr-defined]
+    setattr(route, _DOOR, doors)
+    return doors
+
+
+class _Answered(Response):
+    """The endpoint's return value when the middleware answered instead: layers inside the
+    middleware see a complete (empty) response, which the middleware drops."""
+
+    def __init__(self) -> None:
+        super().__init__(status_code=204)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_placeholder(send)
+
+
+async def _send_placeholder(send: Send) -> None:
+    await send({"type": "http.response.start", "status": 204, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def _endpoint_door(call: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(call) or inspect.iscoroutinefunction(
+        getattr(call, "__call__", None)  # noqa: B004  (a callable object's async __call__)
+    ):
+
+        @functools.wraps(call)
+        async def async_door(*args: Any, **values: Any) -> Any:
+            entrance = current_entrance.get()
+            if entrance is None:
+                return await call(*args, **values)
+            entry = await entrance.enter(values.get(SCOPE_PARAMETER), endpoint=True)
+            if entry is None:
+                return _Answered()
+            reset = current_claim.set(entry)
+            try:
+                return await call(*args, **values)
+            finally:
+                current_claim.reset(reset)
+
+        return async_door
+
+    @functools.wraps(call)
+    def sync_door(*args: Any, **values: Any) -> Any:
+        entrance = current_entrance.get()
+        if entrance is None:
+            return call(*args, **values)
+        # A sync endpoint runs in a worker thread: the claim is made in the event loop.
+        entry = anyio.from_thread.run(
+            functools.partial(entrance.enter, values.get(SCOPE_PARAMETER), endpoint=True)
+        )
+        if entry is None:
+            return _Answered()
+        reset = current_claim.set(entry)
+        try:
+            return call(*args, **values)
+        finally:
+            current_claim.reset(reset)
+
+    return sync_door
+
+
+def _route_door(
+    app: Callable[[Scope, Receive, Send], Awaitable[None]],
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    async def door(scope: Scope, receive: Receive, send: Send) -> None:
+        entrance = current_entrance.get()
+        if entrance is None:
+            await app(scope, receive, send)
+            return
+        entry = await entrance.enter(None, endpoint=False)
+        if entry is None:
+            await _send_placeholder(send)
+            return
+        if entry == AT_THE_ENDPOINT:
+            await app(scope, receive, send)
+            return
+        reset = current_claim.set(entry)
+        try:
+            await app(scope, receive, send)
+        finally:
+            current_claim.reset(reset)
+
+    return door
+
+
+def with_scope_dependency(endpoint: Callable[..., Any], dependency: object) -> Callable[..., Any]:
+    """``endpoint`` with one more keyword parameter, resolved by FastAPI as ``dependency``
+    (a ``Depends``), whose value the door takes as the caller's scope."""
+    if inspect.isasyncgenfunction(endpoint) or inspect.isgeneratorfunction(endpoint):
+        raise ConfigurationError(
+            "@idempotent(scope=Depends(...)) needs an endpoint that returns its response; a "
+            "generator's body runs after the response began"
+        )
+    signature = inspect.signature(endpoint)
+    if SCOPE_PARAMETER in signature.parameters:
+        return endpoint
+    parameters = list(signature.parameters.values())
+    added = inspect.Parameter(SCOPE_PARAMETER, inspect.Parameter.KEYWORD_ONLY, default=dependency)
+    at = next(
+        (i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD),
+        len(parameters),
+    )
+    parameters.insert(at, added)
+
+    if inspect.iscoroutinefunction(endpoint):
+
+        @functools.wraps(endpoint)
+        async def scoped(*args: Any, **values: Any) -> Any:
+            values.pop(SCOPE_PARAMETER, None)
+            return await endpoint(*args, **values)
+
+    else:
+
+        @functools.wraps(endpoint)
+        def scoped(*args: Any, **values: Any) -> Any:
+            values.pop(SCOPE_PARAMETER, None)
+            return endpoint(*args, **values)
+
+    scoped.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    return scoped

@@ -1,0 +1,351 @@
+"""The claim engine that every entry shares: claim, hold (lease and fence hand-off), settle.
+
+The HTTP middleware, the idempotent functions and the MCP integration each turn their call
+into a :class:`ClaimRequest`; what happens to a key from there on is decided here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+
+from idempotency_mw.exceptions import StoreError
+from idempotency_mw.fence import CurrentClaim
+from idempotency_mw.lease import Clock, LeaseKeeper
+from idempotency_mw.metrics import Event, EventHook, EventKind, key_hash
+from idempotency_mw.options import LeaseLostAction
+from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
+from idempotency_mw.stores.base import Store
+from idempotency_mw.waiting import Settlements
+
+logger = logging.getLogger("idempotency_mw")
+
+T = TypeVar("T")
+
+_OUTCOME_EVENTS = {
+    ClaimOutcome.ACQUIRED: EventKind.FIRST_RUN,
+    ClaimOutcome.REPLAY: EventKind.REPLAY,
+    ClaimOutcome.IN_PROGRESS: EventKind.IN_PROGRESS,
+    ClaimOutcome.MISMATCH: EventKind.MISMATCH,
+    ClaimOutcome.UNREPLAYABLE: EventKind.NOT_REPLAYABLE,
+    ClaimOutcome.CREDENTIAL_MISMATCH: EventKind.CREDENTIAL_MISMATCH,
+    ClaimOutcome.COMMITTED_WITHOUT_RESPONSE: EventKind.COMMITTED_WITHOUT_RESPONSE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """What one call asks of the engine: its key in its scope, the fingerprint of what it
+    means, the digest of its credentials, and its times in seconds."""
+
+    scope: str
+    key: str
+    fingerprint: str
+    ttl: float
+    lease: float
+    wait: float = 0.0
+    binding: str = ""
+
+
+class LeaseUnproven(Exception):
+    """The claim took so long that its lease may already be another's: nothing may run."""
+
+
+class ClaimEngine:
+    """One store's claims, shared by every entry that protects calls with it.
+
+    ``on_event`` receives an :class:`~idempotency_mw.metrics.Event` per outcome and store call
+    (guarded by the caller); ``on_lease_lost`` says whether work whose lease could not be
+    proven is stopped (``"cancel"``, unless its answer began or its effect committed) or goes
+    on unprotected; ``clock`` is the monotonic clock leases are proven on.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        on_event: EventHook | None = None,
+        on_lease_lost: LeaseLostAction = "cancel",
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.on_event = on_event
+        self.on_lease_lost = on_lease_lost
+        self.clock = clock
+        self.settlements = Settlements(store)
+        #: Store calls sent for work that has ended, seen to their end (see :meth:`aclose`).
+        self._unfinished: set[asyncio.Future[Any]] = set()
+
+    def outlive(self, call: asyncio.Future[Any]) -> None:
+        """See ``call``, a store call sent for work that ended, to its end: cut short, it
+        would throw away the store's connection mid-call. Its failure is logged."""
+        self._unfinished.add(call)
+        call.add_done_callback(self._finished)
+
+    def _finished(self, call: asyncio.Future[Any]) -> None:
+        self._unfinished.discard(call)
+        if not call.cancelled() and call.exception() is not None:
+            logger.warning("a store call of ended work failed", exc_info=call.exception())
+
+    async def aclose(self) -> None:
+        """Wait for the store calls that ended work left running (before the store closes),
+        and stop the settlement feed's watcher."""
+        if self._unfinished:
+            await asyncio.wait(set(self._unfinished))
+        await self.settlements.stop()
+
+    def call(self, request: ClaimRequest, *, method: str, route: str) -> Call:
+        """The way of one call through the engine (``method`` and ``route`` name it in events:
+        an HTTP method and route template, or ``"CALL"`` and a function's name)."""
+        return Call(self, request, method, route)
+
+    @asynccontextmanager
+    async def hold(
+        self,
+        *,
+        answered: Callable[[], bool],
+        on_stopped: Callable[[], Awaitable[None]] | None = None,
+    ) -> AsyncIterator[Hold]:
+        """A block in which one call's work runs, its claim taken inside it (before the work,
+        or at an endpoint's door) with :meth:`Hold.claim`, its lease then kept until the block
+        ends.
+
+        When the lease cannot be proven any more and the engine cancels, the block is
+        stopped, unless ``answered()`` (its answer began) or its effect committed (``fence``):
+        then it goes on, since nothing can take the key over any more. A stopped block ends
+        quietly with ``hold.stopped`` set, once ``on_stopped`` answered its caller (before the
+        renewal still in flight ends).
+        """
+        hold = Hold(self, answered)
+        try:
+            async with hold.work:
+                yield hold
+        except TimeoutError:
+            if not (hold.stopped and hold.work.expired()):
+                raise  # the work's own
+            if on_stopped is not None:
+                await on_stopped()
+        finally:
+            await hold.end()
+
+
+class Hold:
+    """One call's work, and the claim it holds once taken (see :meth:`ClaimEngine.hold`)."""
+
+    def __init__(self, engine: ClaimEngine, answered: Callable[[], bool]) -> None:
+        self.engine = engine
+        self._answered = answered
+        self.work = asyncio.timeout(None)  # expired at once when the lease is lost
+        self.call: Call | None = None
+        #: The claim ``fence()`` is handed, once acquired.
+        self.claim_held: CurrentClaim | None = None
+        #: The work was stopped because its lease could not be proven.
+        self.stopped = False
+        self._keeping: asyncio.Future[None] | None = None
+
+    async def claim(self, call: Call) -> Claim:
+        """Claim ``call``'s key; once acquired, its lease is kept until the block ends.
+
+        Raises :class:`LeaseUnproven` when the claim took so long that its lease is not proven
+        for long enough to start the work (nothing may run), and :class:`StoreError`.
+        """
+        self.call = call
+        claim = await call.claim()
+        if claim.outcome is not ClaimOutcome.ACQUIRED:
+            return claim
+        assert claim.token is not None
+        keeper = LeaseKeeper(
+            lambda: call.renew(claim.token or ""),
+            call.request.lease,
+            claimed_at=call.claimed_at,
+            on_lost=self._lost,
+            key_id=call.key_id,
+            outlive=self.engine.outlive,
+            clock=self.engine.clock,
+        )
+        if not await keeper.prove_before_start():
+            raise LeaseUnproven
+        request = call.request
+        self.claim_held = CurrentClaim(self.engine.store, request.scope, request.key, claim.token)
+        call.emit(EventKind.CLAIM_STARTED)
+        self._keeping = asyncio.ensure_future(keeper.keep())  # awaited when the block ends
+        return claim
+
+    def _lost(self) -> None:
+        call, claim = self.call, self.claim_held
+        assert call is not None
+        assert claim is not None
+        call.emit(EventKind.LEASE_LOST)
+        if claim.fenced:
+            logger.error(
+                "key %s: the store did not confirm the lease in time, but the effect is "
+                "committed: the call goes on and answers",
+                call.key_id,
+            )
+        elif self.engine.on_lease_lost == "cancel" and not self._answered():
+            self.stopped = True
+            logger.error(
+                "key %s: the store did not confirm the lease in time; the call is stopped "
+                "and its key left to lapse",
+                call.key_id,
+            )
+            self.work.reschedule(-math.inf)
+        else:
+            logger.error(
+                "key %s: the store did not confirm the lease in time; the call goes on "
+                "unprotected (a retry may run it again once the lease lapses)",
+                call.key_id,
+            )
+
+    async def end(self) -> None:
+        """Stop keeping the lease (the work ended), and wait for the keeper to end."""
+        keeping, self._keeping = self._keeping, None
+        if keeping is None:
+            return
+        keeping.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait({keeping})
+        if not keeping.cancelled() and keeping.exception() is not None:
+            assert self.call is not None
+            logger.error(
+                "the lease keeper of key %s failed",
+                self.call.key_id,
+                exc_info=keeping.exception(),
+            )
+        assert self.call is not None
+        self.call.emit(EventKind.CLAIM_ENDED)
+
+
+class Call:
+    """One key's way through the engine: claim, then hold and settle, or replay, or refuse."""
+
+    def __init__(self, engine: ClaimEngine, request: ClaimRequest, method: str, route: str):
+        self.engine = engine
+        self.request = request
+        self.method = method
+        self.route = route
+        #: A short hash of scope and key, for logs and events: raw keys are never logged.
+        self.key_id = key_hash(request.scope, request.key)
+        #: When (monotonic) the claim that decided the outcome was sent.
+        self.claimed_at = 0.0
+
+    def emit(self, kind: EventKind, **details: Any) -> None:
+        """Report an event to the ``on_event`` hook, if there is one."""
+        hook = self.engine.on_event
+        if hook is not None:
+            hook(Event(kind, self.key_id, self.method, self.route, **details))
+
+    def call_store(self, operation: str, call: Awaitable[T]) -> Awaitable[T]:
+        """A store call: ``call`` itself, or timed and reported when there is a hook."""
+        return call if self.engine.on_event is None else self._reported(operation, call)
+
+    async def _reported(self, operation: str, call: Awaitable[T]) -> T:
+        started_at, started = time.time(), time.perf_counter()
+        error = None
+        try:
+            return await call
+        except StoreError as exc:
+            error = str(exc)
+            self.emit(EventKind.STORE_ERROR, operation=operation, error=error)
+            raise
+        finally:
+            self.emit(
+                EventKind.STORE_CALL,
+                operation=operation,
+                started_at=started_at,
+                duration=time.perf_counter() - started,
+                error=error,
+            )
+
+    async def claim(self) -> Claim:
+        """The claim's outcome (raises :class:`StoreError`).
+
+        A duplicate that finds the key in progress waits up to ``wait`` for its outcome: woken
+        at once when a call of this process settles the key, or of any process when the store
+        offers a settlement feed, and polling with backoff (holding no connection in between)
+        in case no news comes.
+        """
+        request, engine = self.request, self.engine
+        deadline = engine.clock() + request.wait
+        polling = engine.settlements.polling
+        polls = 0
+        while True:
+            self.claimed_at = claimed_at = engine.clock()
+            claim = await self.call_store(
+                "claim",
+                engine.store.claim(
+                    request.scope,
+                    request.key,
+                    request.fingerprint,
+                    ttl=request.ttl,
+                    lease=request.lease,
+                    binding=request.binding,
+                ),
+            )
+            if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:
+                self.emit(_OUTCOME_EVENTS[claim.outcome])
+                return claim
+            pause = min(polling.delay(polls), deadline - claimed_at)
+            await engine.settlements.wait(self.key_id, pause, since=claimed_at)
+            polls += 1
+
+    async def renew(self, token: str) -> bool | None:
+        """Renew the lease: whether ``token`` still owns the key (``None``: the store failed)."""
+        request = self.request
+        try:
+            return await self.call_store(
+                "renew",
+                self.engine.store.renew(request.scope, request.key, token, lease=request.lease),
+            )
+        except StoreError as exc:
+            logger.warning("could not renew the lease of key %s: %s", self.key_id, exc)
+            return None
+
+    async def complete(self, token: str, response: StoredResponse | None) -> None:
+        """Record the outcome (``None``: the call ran, but its answer cannot be replayed).
+
+        A store failure is logged: the claim stays in progress until its lease lapses, so a
+        retry meanwhile is told so, never run a second time or given a wrong answer.
+        """
+        request = self.request
+        try:
+            owned = await self.call_store(
+                "complete",
+                self.engine.store.complete(
+                    request.scope, request.key, token, response, ttl=request.ttl
+                ),
+            )
+        except StoreError as exc:
+            logger.error("could not record the outcome of key %s: %s", self.key_id, exc)
+            return
+        finally:
+            self._settled()
+        if not owned:
+            logger.warning("key %s was taken over before its outcome was recorded", self.key_id)
+
+    async def release(self, token: str) -> None:
+        """Forget the claim, so that a retry runs the call again (its effect provably did not
+        happen)."""
+        request = self.request
+        try:
+            if await self.call_store(
+                "release", self.engine.store.release(request.scope, request.key, token)
+            ):
+                self.emit(EventKind.RELEASED)
+        except StoreError as exc:
+            logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)
+        finally:
+            self._settled()
+
+    def _settled(self) -> None:
+        if self.request.wait:
+            # Calls of this route may be waiting (one of another route polls).
+            self.engine.settlements.settled(self.key_id)

@@ -1,0 +1,448 @@
+"""One keyed HTTP request: body, caller, fingerprint, then claim and run, replay or refuse."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import anyio
+from starlette.exceptions import HTTPException
+from starlette.requests import HTTPConnection
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from idempotency_mw._asgi import ReplayReceive, ResponseRecorder, send_replay
+from idempotency_mw.door import ENDPOINT
+from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, Hold, LeaseUnproven
+from idempotency_mw.exceptions import LeaseLost, StoreError
+from idempotency_mw.fence import (
+    AT_THE_ENDPOINT,
+    UNPROTECTED,
+    AnsweredInstead,
+    CurrentClaim,
+    current_claim,
+    current_entrance,
+)
+from idempotency_mw.fingerprint import canonical_json, credential_digest, request_fingerprint
+from idempotency_mw.metrics import EventKind
+from idempotency_mw.options import Options
+from idempotency_mw.policy import Settings
+from idempotency_mw.problems import Problem, send_http_problem, send_problem
+from idempotency_mw.records import ClaimOutcome
+
+logger = logging.getLogger("idempotency_mw")
+
+#: The answer to each outcome that neither runs nor replays: problem, status (MISMATCH's is the
+#: ``mismatch_status`` option), detail, and whether a retry later may succeed (Retry-After).
+_REFUSALS: dict[ClaimOutcome, tuple[Problem, int, str, bool]] = {
+    ClaimOutcome.IN_PROGRESS: (
+        Problem.IN_PROGRESS,
+        409,
+        "A request with this key is still being processed; retry later.",
+        True,
+    ),
+    ClaimOutcome.MISMATCH: (
+        Problem.MISMATCH,
+        409,
+        "This key was used with a different request; use a new key for a new request.",
+        False,
+    ),
+    ClaimOutcome.UNREPLAYABLE: (
+        Problem.UNREPLAYABLE,
+        409,
+        "This key's request ran, but its response could not be recorded for replay.",
+        False,
+    ),
+    ClaimOutcome.CREDENTIAL_MISMATCH: (
+        Problem.CREDENTIAL_MISMATCH,
+        409,
+        "This key was used by a request with other credentials; its outcome is theirs. Use a "
+        "new key, or the credentials of the first request.",
+        False,
+    ),
+    ClaimOutcome.COMMITTED_WITHOUT_RESPONSE: (
+        Problem.COMMITTED_WITHOUT_RESPONSE,
+        409,
+        "This key's request took effect, but its response is not available; do not send it again.",
+        False,
+    ),
+}
+
+
+class Exchange:
+    """One keyed request through the middleware.
+
+    The claim is taken at the route's door when it has one (see :mod:`idempotency_mw.door`),
+    else before the app runs. What the app sends before the door opens is passed on untouched
+    and nothing is recorded; once the door opened, the response is recorded (or the key
+    released) when it ends; when the middleware answered at the door, what the app sends is
+    dropped.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        options: Options,
+        engine: ClaimEngine,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: dict[str, list[str]],
+        key: str,
+        template: str,
+        settings: Settings,
+    ) -> None:
+        self.app = app
+        self.options = options
+        self.engine = engine
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.headers = headers
+        self.key = key
+        self.template = template
+        self.settings = settings
+        self._fingerprint = ""
+        self._caller = ""
+        self._binding = ""
+        self._hold: Hold | None = None
+        self._recorder: ResponseRecorder | None = None
+        #: What the door decided: the claim to hand ``fence()``, or ``None`` once answered.
+        self._entry: CurrentClaim | str | None = None
+        self._entered = False
+        #: Whether the endpoint began (its effect may have happened).
+        self._began = True
+        self._settled = False
+
+    async def run(self, *, doors: str | None) -> None:
+        """Handle the request; ``doors``: which doors its route has (see
+        :func:`~idempotency_mw.door.doors_of`), ``None`` to claim before the app runs."""
+        options = self.options
+        declared = self.headers.get("content-length", [""])[0]
+        # ASCII digits only, and few enough of them for int(): the server may not have checked.
+        if (
+            declared.isascii()
+            and declared.isdigit()
+            and (len(declared) > 18 or int(declared) > options.max_request_bytes)
+        ):
+            await self._too_large()
+            return
+        body = await self._read_body()
+        if body is None:
+            return
+        caller = await self._caller_scope()
+        if caller is None:
+            return
+        self._caller = caller
+        self._binding = self._credential_binding()
+        self._fingerprint = self._request_fingerprint(body)
+        recorder = self._recorder = ResponseRecorder(
+            self.send,
+            max_body=options.max_response_bytes,
+            max_headers=options.max_header_bytes,
+            records_header=options.records_header,
+            on_finish=self._settle,
+        )
+        receive = ReplayReceive(body, self.receive)
+
+        async def answer_stopped() -> None:
+            if recorder.status is None:
+                await self._problem(
+                    Problem.LEASE_LOST,
+                    503,
+                    "The request was stopped because the idempotency store could not confirm "
+                    "it still held this key; retry with the same key.",
+                    retry=True,
+                )
+
+        async with self.engine.hold(
+            answered=lambda: recorder.status is not None, on_stopped=answer_stopped
+        ) as hold:
+            self._hold = hold
+            try:
+                if doors is not None:
+                    self._began = doors != ENDPOINT
+                    entrance = current_entrance.set(self)
+                    try:
+                        await self._run_app(receive, recorder)
+                    finally:
+                        current_entrance.reset(entrance)
+                else:
+                    entry = await self.enter(None, endpoint=False)
+                    if entry is None:
+                        return
+                    reset = current_claim.set(entry)
+                    try:
+                        await self._run_app(receive, recorder)
+                    finally:
+                        current_claim.reset(reset)
+            finally:
+                if not hold.stopped:
+                    await self._settle(recorder)
+
+    async def _run_app(self, receive: Receive, recorder: ResponseRecorder) -> None:
+        try:
+            await self.app(self.scope, receive, self._send_from_app)
+        except AnsweredInstead:
+            pass  # fence() in a dependency found a replay or a refusal, answered already
+        except LeaseLost:
+            if recorder.status is not None:
+                raise
+            # fence() found the key taken over, and the app's transaction rolled back.
+            await self._problem(
+                Problem.IN_PROGRESS,
+                409,
+                "Another request with this key took over; retry later.",
+                retry=True,
+            )
+
+    async def enter(self, caller_scope: object, *, endpoint: bool) -> CurrentClaim | str | None:
+        """Claim the key at a door (or before the app): see
+        :class:`~idempotency_mw.fence.Entrance`."""
+        if endpoint:
+            self._began = True
+        if self._entered:
+            return self._entry  # the key is claimed once, at the first door that can
+        if self.settings.scoped and not endpoint:
+            return AT_THE_ENDPOINT
+        self._entered = True
+        hold = self._hold
+        assert hold is not None
+        caller, binding = self._caller, self._binding
+        if caller_scope is not None:
+            if not isinstance(caller_scope, str) or not caller_scope:
+                logger.error(
+                    "the scope dependency of %s %s returned %r; it must return a non-empty "
+                    "string (the endpoint did not run)",
+                    self.scope["method"],
+                    self.template,
+                    type(caller_scope).__name__,
+                )
+                await self._scope_failed()
+                return None
+            caller, binding = caller_scope, ""
+        elif self.settings.scoped:
+            logger.error(
+                "%s %s declares @idempotent(scope=...) but its dependency was not resolved: "
+                "put @idempotent below the route decorator (the endpoint did not run)",
+                self.scope["method"],
+                self.template,
+            )
+            await self._scope_failed()
+            return None
+        call = self.engine.call(
+            ClaimRequest(
+                caller,
+                self.key,
+                self._fingerprint,
+                ttl=self.settings.ttl,
+                lease=self.settings.lease,
+                wait=self.settings.wait,
+                binding=binding,
+            ),
+            method=self.scope["method"],
+            route=self.template,
+        )
+        self._entry = await self._claim(hold, call)
+        return self._entry
+
+    async def _claim(self, hold: Hold, call: Call) -> CurrentClaim | str | None:
+        try:
+            claim = await hold.claim(call)
+        except LeaseUnproven:
+            # A claim so slow that its lease may already be another's: run nothing.
+            await self._problem(
+                Problem.LEASE_LOST,
+                503,
+                "The idempotency store could not confirm this request holds its key; "
+                "nothing ran. Retry with the same key.",
+                retry=True,
+            )
+            return None
+        except StoreError as exc:
+            if self.options.fail_open:
+                logger.warning(
+                    "idempotency store failed to claim key %s; the request runs unprotected "
+                    "(fence() does nothing for it): %s",
+                    call.key_id,
+                    exc,
+                )
+                return UNPROTECTED
+            logger.warning("idempotency store failed to claim key %s: %s", call.key_id, exc)
+            await self._problem(
+                Problem.STORE_UNAVAILABLE,
+                503,
+                "The idempotency store is unavailable; retry with the same key.",
+                retry=True,
+            )
+            return None
+        if claim.outcome is ClaimOutcome.ACQUIRED:
+            return hold.claim_held
+        if claim.outcome is ClaimOutcome.REPLAY:
+            assert claim.response is not None
+            await send_replay(self.send, claim.response)
+            return None
+        problem, status, detail, retry = _REFUSALS[claim.outcome]
+        if claim.outcome is ClaimOutcome.MISMATCH:
+            status = self.options.mismatch_status
+        await self._problem(problem, status, detail, retry=retry)
+        return None
+
+    async def _send_from_app(self, message: Message) -> None:
+        """The app's ``send``: untouched before the door, recorded behind it, dropped once
+        the middleware answered."""
+        if not self._entered:
+            await self.send(message)
+        elif isinstance(self._entry, CurrentClaim):
+            assert self._recorder is not None
+            await self._recorder.send(message)
+        elif self._entry == UNPROTECTED:
+            await self.send(message)
+
+    async def _settle(self, recorder: ResponseRecorder) -> None:
+        """Record the response, or release the key when it proves the endpoint did nothing.
+        Once (when the response ends, or when the app returns or fails without ending it)."""
+        hold = self._hold
+        if self._settled or hold is None or hold.call is None or hold.claim_held is None:
+            return
+        self._settled = True
+        with anyio.CancelScope(shield=True):
+            await self._record_or_release(hold.call, hold.claim_held.token, recorder)
+
+    async def _record_or_release(self, call: Call, token: str, recorder: ResponseRecorder) -> None:
+        """Once the endpoint began, its effect may have happened: every response below 500 is
+        recorded (one cut short, sent as a file or too large as not replayable). Released: an
+        answer given before the endpoint's door (unless ``fence()`` marked an effect), no
+        response or a 5xx (unless ``store_server_errors``), a status of the route's
+        ``release_statuses``, and FastAPI's request validation answer on a route without an
+        endpoint's door (it came before the endpoint)."""
+        status = recorder.status
+        if (
+            status is None
+            or not (self._began or self._entry_fenced())
+            or (status >= 500 and not self.options.store_server_errors)
+            or status in self.settings.release_statuses
+            or (status == 422 and recorder.is_request_validation_error())
+        ):
+            await call.release(token)
+            return
+        response = recorder.stored_response()
+        if response is None:
+            if recorder.too_large:
+                call.emit(EventKind.RECORD_TOO_LARGE)
+            logger.warning(
+                "the response of key %s cannot be replayed: %s",
+                call.key_id,
+                recorder.unreplayable_reason or "it was cut short",
+            )
+        await call.complete(token, response)
+
+    def _entry_fenced(self) -> bool:
+        return isinstance(self._entry, CurrentClaim) and self._entry.fenced
+
+    def _request_fingerprint(self, body: bytes) -> str:
+        json_body = canonical_json(body) if self.settings.fingerprint == "json" else None
+        return request_fingerprint(
+            self.scope["method"],
+            self.template,
+            self.scope["path"],
+            self.scope.get("query_string", b""),
+            [
+                (name, value)
+                for name in self.options.fingerprint_headers
+                for value in self.headers.get(name, ())
+            ],
+            body if json_body is None else json_body,
+        )
+
+    def _credential_binding(self) -> str:
+        """A digest of the caller's credentials, which the record is bound to.
+
+        Without a ``scope`` option a record is bound by checking: the same key sent with other
+        credentials never gets this record. With ``scope``, the scope alone decides.
+        """
+        options = self.options
+        if options.caller_scope is not None:
+            return ""
+        values = [
+            (name, value)
+            for name in options.credential_headers
+            for value in self.headers.get(name, ())
+        ]
+        if options.credential_cookies:
+            cookies = HTTPConnection(self.scope).cookies
+            values += [
+                (f"cookie:{name}", cookies[name])
+                for name in options.credential_cookies
+                if name in cookies
+            ]
+        if not values:
+            return ""
+        return credential_digest(values)
+
+    async def _caller_scope(self) -> str | None:
+        """The namespace of this request's keys, from the ``scope`` option ('' without one).
+
+        ``None`` when the request was answered instead: the callable raised an HTTPException
+        (its answer, as a problem), or failed or gave no usable scope (a 500 problem, logged:
+        the handler never runs unscoped).
+        """
+        caller_scope = self.options.caller_scope
+        if caller_scope is None:
+            return ""
+        try:
+            value = caller_scope(HTTPConnection(self.scope))
+            if inspect.isawaitable(value):
+                value = await value
+        except HTTPException as exc:
+            await send_http_problem(self.send, exc.status_code, str(exc.detail), exc.headers)
+            return None
+        except Exception:
+            logger.exception("the scope= callable of IdempotencyMiddleware failed")
+            await self._scope_failed()
+            return None
+        if not isinstance(value, str) or not value:
+            logger.error(
+                "the scope= callable of IdempotencyMiddleware returned %s; it must return a "
+                "non-empty string (the handler did not run)",
+                "an empty string" if value == "" else f"a {type(value).__name__}",
+            )
+            await self._scope_failed()
+            return None
+        return value
+
+    async def _scope_failed(self) -> None:
+        await self._problem(
+            Problem.SCOPE_FAILED,
+            500,
+            "The server could not determine whose request this is; the request did not run.",
+        )
+
+    async def _problem(
+        self, problem: Problem, status: int, detail: str, *, retry: bool = False
+    ) -> None:
+        retry_after = self.options.retry_after if retry else None
+        await send_problem(self.send, problem, status, detail, retry_after=retry_after)
+
+    async def _read_body(self) -> bytes | None:
+        """The whole request body, or ``None`` when the client left (or was answered 413)."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > self.options.max_request_bytes:
+                await self._too_large()
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _too_large(self) -> None:
+        await self._problem(
+            Problem.TOO_LARGE,
+            413,
+            f"Request bodies are limited to {self.options.max_request_bytes} bytes.",
+        )

@@ -1,0 +1,109 @@
+"""The lease keeper: renews a claim while its work runs, and knows until when it is proven."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from idempotency_mw._backoff import Backoff
+
+logger = logging.getLogger("idempotency_mw")
+
+#: Renew: ``True`` while the token owns the key, ``False`` once taken over, ``None`` when the
+#: store failed to answer.
+Renew = Callable[[], Awaitable[bool | None]]
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class LeaseKeeper:
+    """Keeps one claim's lease, proven until the moment the last successful claim or renewal
+    was *sent* plus the lease, on the monotonic ``clock``.
+
+    Renewals begin after a third of the lease and retry quickly when the store fails, so a
+    store pause shorter than a third of the lease costs nothing. When the proof runs out, or
+    another request took the key over, ``on_lost`` is called once; the keeper then goes on
+    renewing, so protection resumes if the store answers again (``lost`` stays true: the work
+    was told). :meth:`keep` runs as a child of the work's task group, cancelled when it ends.
+    """
+
+    def __init__(
+        self,
+        renew: Renew,
+        lease: float,
+        *,
+        claimed_at: float,
+        on_lost: Callable[[], None],
+        key_id: str,
+        outlive: Callable[[asyncio.Future[bool | None]], None],
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._renew = renew
+        self._lease = lease
+        self._on_lost = on_lost
+        self._key_id = key_id
+        self._outlive = outlive
+        self._clock = clock
+        self._sleep = sleep
+        self._retry = Backoff(max(0.05, lease / 20), lease / 3, jitter=0.5)
+        self.proven_until = claimed_at + lease
+        self.lost = False
+
+    async def prove_before_start(self) -> bool:
+        """Whether the lease is proven for long enough to start the work.
+
+        After a claim that took more than a third of the lease, one renewal comes first: work
+        never starts on a lease that may already be another request's.
+        """
+        if self.proven_until - self._clock() > self._lease * 2 / 3:
+            return True
+        return await self._renew_once() is True
+
+    async def keep(self) -> None:
+        """Renew every third of the lease until cancelled (the work ended)."""
+        await self._sleep(max(0.0, self.proven_until - self._lease * 2 / 3 - self._clock()))
+        failures = 0
+        while True:
+            owned = await self._renewal_within_proof()
+            if owned is False:
+                logger.warning("lost the lease of key %s to another request", self._key_id)
+                self._lose()
+                return
+            if owned is None:
+                await self._sleep(self._retry.delay(failures))
+                failures += 1
+            else:
+                failures = 0
+                await self._sleep(self._lease / 3)
+
+    async def _renewal_within_proof(self) -> bool | None:
+        """One renewal; if the proof runs out before it answers, the work is told at once,
+        and the renewal still runs to its end: cut short, it would throw away the store's
+        connection mid-call for an answer that may yet restore the proof."""
+        renewal = asyncio.ensure_future(self._renew_once())
+        try:
+            remaining = self.proven_until - self._clock()
+            if remaining > 0:
+                await asyncio.wait({renewal}, timeout=remaining)
+            if not renewal.done() or self.proven_until <= self._clock():
+                self._lose()
+            return await asyncio.shield(renewal)
+        except asyncio.CancelledError:
+            if not renewal.done():
+                self._outlive(renewal)  # the work ended: its answer no longer matters
+            raise
+
+    async def _renew_once(self) -> bool | None:
+        sent_at = self._clock()
+        owned = await self._renew()
+        if owned:
+            self.proven_until = sent_at + self._lease
+        return owned
+
+    def _lose(self) -> None:
+        if not self.lost:
+            self.lost = True
+            self._on_lost()

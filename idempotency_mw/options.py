@@ -1,0 +1,184 @@
+"""The middleware's options: validated and precomputed once, then frozen."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+from starlette.requests import HTTPConnection
+
+from idempotency_mw._asgi import REPLAYED_HEADER
+from idempotency_mw.cleanup import PurgeSchedule
+from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.metrics import EventHook, guard
+from idempotency_mw.policy import (
+    Duration,
+    FingerprintMode,
+    RouteOptions,
+    Settings,
+    fingerprint_mode,
+    statuses,
+    to_seconds,
+)
+from idempotency_mw.stores.base import Store
+
+DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+#: Headers left out of a record: credentials a handler may echo, challenges, hop-by-hop headers.
+DEFAULT_UNRECORDED_HEADERS = frozenset(
+    {
+        "set-cookie",
+        "www-authenticate",
+        "proxy-authenticate",
+        "authorization",
+        "proxy-authorization",
+        "cookie",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+#: Never recorded whatever the lists say: a replay sets this header itself, once.
+_ALWAYS_UNRECORDED = frozenset({REPLAYED_HEADER[0]})
+
+CallerScope = Callable[[HTTPConnection], str | Awaitable[str]]
+LeaseLostAction = Literal["cancel", "continue"]
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The middleware's settings, validated and precomputed once."""
+
+    store: Store
+    defaults: Settings
+    methods: frozenset[str]
+    header_name: str
+    #: The request headers the middleware reads (key, Content-Length, Content-Type,
+    #: credentials, fingerprint).
+    read_headers: frozenset[bytes]
+    routes: Mapping[str, RouteOptions]
+    caller_scope: CallerScope | None
+    credential_headers: tuple[str, ...]
+    credential_cookies: tuple[str, ...]
+    fingerprint_headers: tuple[str, ...]
+    max_request_bytes: int
+    max_response_bytes: int
+    max_header_bytes: int
+    store_server_errors: bool
+    mismatch_status: int
+    fail_open: bool
+    retry_after: int
+    records_header: Callable[[bytes], bool]
+    on_lease_lost: LeaseLostAction
+    purge: PurgeSchedule | None
+    lifespan: bool
+    on_event: EventHook | None
+
+
+def build_options(
+    *,
+    store: Store,
+    ttl: Duration = timedelta(hours=24),
+    lease: Duration = timedelta(seconds=60),
+    required: bool = False,
+    methods: Iterable[str] = DEFAULT_METHODS,
+    header_name: str = "Idempotency-Key",
+    routes: Mapping[str, RouteOptions] | None = None,
+    scope: CallerScope | None = None,
+    credential_headers: Iterable[str] = ("authorization",),
+    credential_cookies: Iterable[str] = (),
+    fingerprint_headers: Iterable[str] = (),
+    max_request_bytes: int = 1 << 20,
+    max_response_bytes: int = 1 << 20,
+    max_header_bytes: int = 1 << 16,
+    release_statuses: Iterable[int] = (),
+    fingerprint: FingerprintMode = "bytes",
+    wait: Duration = 0,
+    store_server_errors: bool = False,
+    mismatch_status: int = 409,
+    fail_open: bool = False,
+    retry_after: int = 1,
+    replay_headers_allow: Iterable[str] | None = None,
+    replay_headers_deny: Iterable[str] = DEFAULT_UNRECORDED_HEADERS,
+    on_lease_lost: LeaseLostAction = "cancel",
+    purge: PurgeSchedule | None = PurgeSchedule(),  # noqa: B008  (frozen, so shareable)
+    lifespan: bool = True,
+    on_event: EventHook | None = None,
+) -> Options:
+    """The options of :class:`~idempotency_mw.IdempotencyMiddleware`, validated (its
+    constructor's keyword arguments, documented there)."""
+    if not isinstance(store, Store):
+        raise ConfigurationError(f"store must implement the Store protocol, got {store!r}")
+    if not _accepts_binding(store):
+        raise ConfigurationError(
+            f"{store!r}.claim() must accept binding= (the Store protocol binds records to "
+            "the caller's credentials)"
+        )
+    if mismatch_status not in (409, 422):
+        raise ConfigurationError("mismatch_status must be 409 or 422")
+    if min(max_request_bytes, max_response_bytes, max_header_bytes, retry_after) < 0:
+        raise ConfigurationError("size limits and retry_after must not be negative")
+    if on_lease_lost not in ("cancel", "continue"):
+        raise ConfigurationError("on_lease_lost must be 'cancel' or 'continue'")
+    deny = {h.lower().encode("latin-1") for h in replay_headers_deny} | _ALWAYS_UNRECORDED
+    allow = (
+        None
+        if replay_headers_allow is None
+        else frozenset(h.lower().encode("latin-1") for h in replay_headers_allow) - deny
+    )
+    credentials = tuple(sorted({name.lower() for name in credential_headers}))
+    fingerprinted = tuple(sorted({name.lower() for name in fingerprint_headers}))
+    return Options(
+        store=store,
+        defaults=Settings(
+            ttl=to_seconds(ttl, "ttl"),
+            required=required,
+            lease=to_seconds(lease, "lease"),
+            release_statuses=statuses(release_statuses),
+            fingerprint=fingerprint_mode(fingerprint),
+            wait=to_seconds(wait, "wait", zero=True),
+        ),
+        methods=frozenset(method.upper() for method in methods),
+        header_name=header_name,
+        read_headers=frozenset(
+            name.lower().encode("latin-1")
+            for name in (
+                header_name,
+                "content-length",
+                "content-type",
+                *credentials,
+                *fingerprinted,
+            )
+        ),
+        routes=dict(routes or {}),
+        caller_scope=scope,
+        credential_headers=credentials,
+        credential_cookies=tuple(sorted(set(credential_cookies))),
+        fingerprint_headers=fingerprinted,
+        max_request_bytes=max_request_bytes,
+        max_response_bytes=max_response_bytes,
+        max_header_bytes=max_header_bytes,
+        store_server_errors=store_server_errors,
+        mismatch_status=mismatch_status,
+        fail_open=fail_open,
+        retry_after=retry_after,
+        records_header=(lambda name: name not in deny) if allow is None else allow.__contains__,
+        on_lease_lost=on_lease_lost,
+        purge=purge,
+        lifespan=lifespan,
+        on_event=None if on_event is None else guard(on_event),
+    )
+
+
+def _accepts_binding(store: Store) -> bool:
+    try:
+        parameters = inspect.signature(store.claim).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: take it on trust
+        return True
+    return any(p.name == "binding" or p.kind is p.VAR_KEYWORD for p in parameters)
