@@ -16,6 +16,7 @@ from functools import cached_property
 from typing import Any, Literal, TypeVar
 
 import anyio
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -37,7 +38,7 @@ from idempotency_mw.exceptions import (
     StoreError,
 )
 from idempotency_mw.fence import UNKEYED, CurrentClaim, current_claim
-from idempotency_mw.fingerprint import canonical_json, credential_digest, request_fingerprint
+from idempotency_mw.fingerprint import credential_digest, request_fingerprint
 from idempotency_mw.lifespan import run_lifespan, store_lifespan
 from idempotency_mw.metrics import Event, EventHook, EventKind, guard, key_hash
 from idempotency_mw.openapi import document_openapi
@@ -420,7 +421,6 @@ class _Exchange:
         if caller is None:
             return
         self.caller = caller
-        json_body = canonical_json(body) if settings.fingerprint == "json" else None
         fingerprint = request_fingerprint(
             self.scope["method"],
             template,
@@ -431,7 +431,9 @@ class _Exchange:
                 for name in options.fingerprint_headers
                 for value in self.headers.get(name, ())
             ],
-            body if json_body is None else json_body,
+            body,
+            content_type=Headers(scope=self.scope).get("content-type", ""),
+            mode=settings.fingerprint,
         )
         try:
             claim, claimed_at = await self._claim(fingerprint, self._binding(), settings)
@@ -444,7 +446,6 @@ class _Exchange:
                     Problem.STORE_UNAVAILABLE,
                     503,
                     "The idempotency store is unavailable; retry with the same key.",
-                    retry=True,
                 )
             return
 
@@ -453,10 +454,10 @@ class _Exchange:
             assert claim.response is not None
             await send_replay(self.send, claim.response)
         elif claim.outcome is not ClaimOutcome.ACQUIRED:
-            problem, status, detail, retry = _REFUSALS[claim.outcome]
+            problem, status, detail = _REFUSALS[claim.outcome]
             if claim.outcome is ClaimOutcome.MISMATCH:
                 status = options.mismatch_status
-            await self._problem(problem, status, detail, retry=retry)
+            await self._problem(problem, status, detail)
         else:
             assert claim.token is not None
             lease = _Lease(self, claim.token, settings.lease, claimed_at)
@@ -467,7 +468,6 @@ class _Exchange:
                     503,
                     "The idempotency store could not confirm this request holds its key; "
                     "nothing ran. Retry with the same key.",
-                    retry=True,
                 )
                 return
             self.emit(EventKind.CLAIM_STARTED)
@@ -571,11 +571,8 @@ class _Exchange:
             "The server could not determine whose request this is; the request did not run.",
         )
 
-    async def _problem(
-        self, problem: Problem, status: int, detail: str, *, retry: bool = False
-    ) -> None:
-        retry_after = self.options.retry_after if retry else None
-        await send_problem(self.send, problem, status, detail, retry_after=retry_after)
+    async def _problem(self, problem: Problem, status: int, detail: str) -> None:
+        await send_problem(self.send, problem, status, detail, retry_after=self.options.retry_after)
 
     async def _read_body(self) -> bytes | None:
         """The whole request body, or ``None`` when the client left (or was answered 413)."""
@@ -636,7 +633,6 @@ class _Exchange:
                         Problem.IN_PROGRESS,
                         409,
                         "Another request with this key took over; retry later.",
-                        retry=True,
                     )
                 finally:
                     current_claim.reset(claim)
@@ -654,7 +650,6 @@ class _Exchange:
                 503,
                 "The request was stopped because the idempotency store could not confirm it "
                 "still held this key; retry with the same key.",
-                retry=True,
             )
 
     async def _settle(self, token: str, recorder: ResponseRecorder, settings: Settings) -> None:
@@ -715,38 +710,33 @@ class _Exchange:
 
 
 #: The answer to each outcome that neither runs nor replays: problem, status (MISMATCH's is the
-#: ``mismatch_status`` option), detail, and whether a retry later may succeed (Retry-After).
-_REFUSALS: dict[ClaimOutcome, tuple[Problem, int, str, bool]] = {
+#: ``mismatch_status`` option) and detail.
+_REFUSALS: dict[ClaimOutcome, tuple[Problem, int, str]] = {
     ClaimOutcome.IN_PROGRESS: (
         Problem.IN_PROGRESS,
         409,
         "A request with this key is still being processed; retry later.",
-        True,
     ),
     ClaimOutcome.MISMATCH: (
         Problem.MISMATCH,
         409,
         "This key was used with a different request; use a new key for a new request.",
-        False,
     ),
     ClaimOutcome.UNREPLAYABLE: (
         Problem.UNREPLAYABLE,
         409,
         "This key's request ran, but its response could not be recorded for replay.",
-        False,
     ),
     ClaimOutcome.CREDENTIAL_MISMATCH: (
         Problem.CREDENTIAL_MISMATCH,
         409,
         "This key was used by a request with other credentials; its outcome is theirs. Use a "
         "new key, or the credentials of the first request.",
-        False,
     ),
     ClaimOutcome.COMMITTED_WITHOUT_RESPONSE: (
         Problem.COMMITTED_WITHOUT_RESPONSE,
         409,
         "This key's request took effect, but its response is not available; do not send it again.",
-        False,
     ),
 }
 _OUTCOME_EVENTS = {
