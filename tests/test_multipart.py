@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import tracemalloc
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -23,6 +22,7 @@ from idempotency_mw.fingerprint import form_parts, multipart_boundary, request_f
 from idempotency_mw.testing import MemoryStore
 from tests.apps import client_for
 from tests.faults import serve
+from tests.sdk_server import Answers, file_service
 
 pytestmark = pytest.mark.anyio
 
@@ -277,43 +277,16 @@ async def test_a_malformed_form_is_the_apps_to_refuse() -> None:
 SDK_TIMEOUT = 0.5
 
 
-def counting(app: FastAPI, statuses: list[int]) -> Callable[..., Awaitable[None]]:
-    """``app`` behind a layer that notes the status of every answer the server sends."""
-
-    async def outer(scope: Any, receive: Any, send: Any) -> None:
-        async def noted(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                statuses.append(message["status"])
-            await send(message)
-
-        await app(scope, receive, noted if scope["type"] == "http" else send)
-
-    return outer
+async def late_first_answer(number: int, content: bytes) -> None:
+    if number == 1:
+        await asyncio.sleep(SDK_TIMEOUT * 3)  # this answer comes after the SDK gave up
 
 
 async def test_the_openai_sdk_retrying_an_upload_gets_it_stored_once() -> None:
-    app = FastAPI()
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
-    stored: list[bytes] = []
-
-    @app.post("/v1/files")
-    async def create_file(file: UploadFile, purpose: str = Form()) -> dict[str, Any]:
-        content = await file.read()
-        stored.append(content)
-        if len(stored) == 1:
-            await asyncio.sleep(SDK_TIMEOUT * 3)  # this answer comes after the SDK gave up
-        return {
-            "id": f"file-{len(stored)}",
-            "object": "file",
-            "bytes": len(content),
-            "created_at": 0,
-            "filename": file.filename,
-            "purpose": purpose,
-            "status": "processed",
-        }
-
-    statuses: list[int] = []
-    async with serve(counting(app, statuses)) as url:
+    runs: list[bytes] = []
+    answers = Answers()
+    app = file_service(runs, late_first_answer)
+    async with serve(answers.around(app)) as url:
         client = openai.AsyncOpenAI(
             base_url=f"{url}/v1", api_key="test", max_retries=4, timeout=SDK_TIMEOUT
         )
@@ -324,11 +297,11 @@ async def test_the_openai_sdk_retrying_an_upload_gets_it_stored_once() -> None:
                 # The SDK mints no key of its own: one per operation, sent on every attempt.
                 extra_headers={"Idempotency-Key": "upload-1"},
             )
-    created = raw.parse()
-    assert created.id == "file-1"
+    assert raw.parse().id == "file-1"
     assert raw.headers["idempotent-replayed"] == "true"
-    assert stored == [b"hello, world"]
+    assert runs == [b"hello, world"]
     # The first answer (lost: the SDK gave up on it), at least one 409 in progress, the replay.
+    statuses = answers.statuses
     assert statuses.count(200) == 2, statuses
     assert statuses[-1] == 200, statuses
     assert 409 in statuses, statuses
