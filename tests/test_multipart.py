@@ -261,12 +261,20 @@ async def test_another_upload_under_the_key_is_a_mismatch(files: Files, purpose:
     assert len(app.state.stored) == 1
 
 
-async def test_a_malformed_form_is_the_apps_to_refuse() -> None:
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        pytest.param("multipart/form-data", b"garbage", id="no-boundary"),
+        pytest.param("multipart/form-data; boundary=b0und", b"garbage", id="garbage"),
+        pytest.param("multipart/form-data; boundary=b0und", b"--b0und\r\nx", id="no-closing"),
+    ],
+)
+async def test_a_malformed_form_is_the_apps_to_refuse(content_type: str, body: bytes) -> None:
     app = upload_service()
-    headers = {**KEY, "Content-Type": "multipart/form-data; boundary=b0und"}
+    headers = {**KEY, "Content-Type": content_type}
     async with client_for(app) as client:
-        answer = await client.post("/files", content=b"--b0und\r\ngarbage", headers=headers)
-    assert 400 <= answer.status_code < 500, answer.text
+        answer = await client.post("/files", content=body, headers=headers)
+    assert answer.status_code in (400, 422), answer.text
     assert "idempotency-mw" not in answer.text
     assert app.state.stored == []
 
