@@ -287,7 +287,7 @@ SDK_TIMEOUT = 0.5
 
 async def late_first_answer(number: int, content: bytes) -> None:
     if number == 1:
-        await asyncio.sleep(SDK_TIMEOUT * 3)  # this answer comes after the SDK gave up
+        await asyncio.sleep(SDK_TIMEOUT * 4)  # this answer comes after the SDK gave up
 
 
 async def test_the_openai_sdk_retrying_an_upload_gets_it_stored_once() -> None:
