@@ -22,7 +22,7 @@ from idempotency_mw.fence import (
     current_claim,
     current_entrance,
 )
-from idempotency_mw.fingerprint import canonical_json, credential_digest, request_fingerprint
+from idempotency_mw.fingerprint import credential_digest, request_fingerprint
 from idempotency_mw.metrics import EventKind
 from idempotency_mw.options import Options
 from idempotency_mw.policy import Settings
@@ -32,38 +32,33 @@ from idempotency_mw.records import ClaimOutcome
 logger = logging.getLogger("idempotency_mw")
 
 #: The answer to each outcome that neither runs nor replays: problem, status (MISMATCH's is the
-#: ``mismatch_status`` option), detail, and whether a retry later may succeed (Retry-After).
-_REFUSALS: dict[ClaimOutcome, tuple[Problem, int, str, bool]] = {
+#: ``mismatch_status`` option) and detail.
+_REFUSALS: dict[ClaimOutcome, tuple[Problem, int, str]] = {
     ClaimOutcome.IN_PROGRESS: (
         Problem.IN_PROGRESS,
         409,
         "A request with this key is still being processed; retry later.",
-        True,
     ),
     ClaimOutcome.MISMATCH: (
         Problem.MISMATCH,
         409,
         "This key was used with a different request; use a new key for a new request.",
-        False,
     ),
     ClaimOutcome.UNREPLAYABLE: (
         Problem.UNREPLAYABLE,
         409,
         "This key's request ran, but its response could not be recorded for replay.",
-        False,
     ),
     ClaimOutcome.CREDENTIAL_MISMATCH: (
         Problem.CREDENTIAL_MISMATCH,
         409,
         "This key was used by a request with other credentials; its outcome is theirs. Use a "
         "new key, or the credentials of the first request.",
-        False,
     ),
     ClaimOutcome.COMMITTED_WITHOUT_RESPONSE: (
         Problem.COMMITTED_WITHOUT_RESPONSE,
         409,
         "This key's request took effect, but its response is not available; do not send it again.",
-        False,
     ),
 }
 
@@ -151,7 +146,6 @@ class Exchange:
                     503,
                     "The request was stopped because the idempotency store could not confirm "
                     "it still held this key; retry with the same key.",
-                    retry=True,
                 )
 
         async with self.engine.hold(
@@ -192,7 +186,6 @@ class Exchange:
                 Problem.IN_PROGRESS,
                 409,
                 "Another request with this key took over; retry later.",
-                retry=True,
             )
 
     async def enter(self, caller_scope: object, *, endpoint: bool) -> CurrentClaim | str | None:
@@ -255,7 +248,6 @@ class Exchange:
                 503,
                 "The idempotency store could not confirm this request holds its key; "
                 "nothing ran. Retry with the same key.",
-                retry=True,
             )
             return None
         except StoreError as exc:
@@ -272,7 +264,6 @@ class Exchange:
                 Problem.STORE_UNAVAILABLE,
                 503,
                 "The idempotency store is unavailable; retry with the same key.",
-                retry=True,
             )
             return None
         if claim.outcome is ClaimOutcome.ACQUIRED:
@@ -281,10 +272,10 @@ class Exchange:
             assert claim.response is not None
             await send_replay(self.send, claim.response)
             return None
-        problem, status, detail, retry = _REFUSALS[claim.outcome]
+        problem, status, detail = _REFUSALS[claim.outcome]
         if claim.outcome is ClaimOutcome.MISMATCH:
             status = self.options.mismatch_status
-        await self._problem(problem, status, detail, retry=retry)
+        await self._problem(problem, status, detail)
         return None
 
     async def _send_from_app(self, message: Message) -> None:
@@ -340,7 +331,6 @@ class Exchange:
         return isinstance(self._entry, CurrentClaim) and self._entry.fenced
 
     def _request_fingerprint(self, body: bytes) -> str:
-        json_body = canonical_json(body) if self.settings.fingerprint == "json" else None
         return request_fingerprint(
             self.scope["method"],
             self.template,
@@ -351,7 +341,9 @@ class Exchange:
                 for name in self.options.fingerprint_headers
                 for value in self.headers.get(name, ())
             ],
-            body if json_body is None else json_body,
+            body,
+            content_type=self.headers.get("content-type", [""])[0],
+            mode=self.settings.fingerprint,
         )
 
     def _credential_binding(self) -> str:
@@ -417,11 +409,8 @@ class Exchange:
             "The server could not determine whose request this is; the request did not run.",
         )
 
-    async def _problem(
-        self, problem: Problem, status: int, detail: str, *, retry: bool = False
-    ) -> None:
-        retry_after = self.options.retry_after if retry else None
-        await send_problem(self.send, problem, status, detail, retry_after=retry_after)
+    async def _problem(self, problem: Problem, status: int, detail: str) -> None:
+        await send_problem(self.send, problem, status, detail, retry_after=self.options.retry_after)
 
     async def _read_body(self) -> bytes | None:
         """The whole request body, or ``None`` when the client left (or was answered 413)."""

@@ -39,6 +39,25 @@ class Problem(enum.Enum):
         return _TYPE_PREFIX + self.value[0]
 
 
+#: Whether a retry with the same key may get another answer. ``False``: the problem is final,
+#: and says ``x-should-retry: false`` (Stainless-generated SDKs, openai and anthropic among
+#: them, retry every 409 and 5xx otherwise). ``True``: a retry later should follow, told when
+#: by ``Retry-After`` and ``retry-after-ms``. A problem not listed says neither: a failed
+#: ``scope=`` callable is the server's fault, and a client's own policy for a 500 applies.
+RETRYABLE: Mapping[Problem, bool] = {
+    Problem.MISSING_KEY: False,
+    Problem.INVALID_KEY: False,
+    Problem.MISMATCH: False,
+    Problem.CREDENTIAL_MISMATCH: False,
+    Problem.UNREPLAYABLE: False,
+    Problem.COMMITTED_WITHOUT_RESPONSE: False,
+    Problem.TOO_LARGE: False,
+    Problem.IN_PROGRESS: True,
+    Problem.STORE_UNAVAILABLE: True,
+    Problem.LEASE_LOST: True,
+}
+
+
 async def send_problem(
     send: Send,
     problem: Problem,
@@ -47,8 +66,20 @@ async def send_problem(
     *,
     retry_after: int | None = None,
 ) -> None:
-    """Send a complete problem+json response."""
-    extra = [] if retry_after is None else [(b"retry-after", str(retry_after).encode())]
+    """Send a complete problem+json response, with the retry headers :data:`RETRYABLE` says
+    (``retry_after``, in seconds, is required for a retryable problem)."""
+    retryable = RETRYABLE.get(problem)
+    if retryable is False:
+        extra = [(b"x-should-retry", b"false")]
+    elif retryable:
+        if retry_after is None:
+            raise ValueError(f"{problem} needs retry_after")
+        extra = [
+            (b"retry-after", str(retry_after).encode()),
+            (b"retry-after-ms", str(retry_after * 1000).encode()),
+        ]
+    else:
+        extra = []
     await _send(send, problem.type_uri, problem.value[1], status, detail, extra)
 
 
