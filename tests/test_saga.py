@@ -27,6 +27,7 @@ from idempotency_mw import ConfigurationError
 from idempotency_mw.cli import main as cli
 from idempotency_mw.client import (
     AsyncStepClient,
+    ClientEvent,
     IdempotentClient,
     OperationState,
     RetryPolicy,
@@ -364,3 +365,34 @@ async def test_saga_definitions_are_checked() -> None:
         saga.step("reserve", nothing)
         with pytest.raises(ConfigurationError, match="has a step"):
             saga.step("reserve", nothing)
+
+
+@pytest.mark.anyio
+async def test_a_step_handed_to_a_person_is_reported_and_so_is_its_resolution(
+    service: Service, journal_path: Path, fake_time: FakeTime
+) -> None:
+    events: list[ClientEvent] = []
+
+    def client(network: Network) -> IdempotentClient:
+        return IdempotentClient(
+            http=httpx.AsyncClient(transport=network, base_url="http://orders"),
+            journal=journal_path,
+            policy=POLICY,
+            sleep=fake_time.sleep,
+            clock=fake_time.clock,
+            on_event=events.append,
+        )
+
+    stuck = await run(client(Network(service.app, down={"charge": "lose"})), order())
+    assert stuck.state is SagaState.NEEDS_INTERVENTION
+    handed = [e for e in events if e.state is OperationState.NEEDS_INTERVENTION]
+    assert [(e.name, e.previous) for e in handed] == [("order.charge", OperationState.UNKNOWN)]
+    assert handed[0].needs_attention
+
+    events.clear()
+    resumed = await run(client(Network(service.app)), order())
+    assert resumed.state is SagaState.COMPLETED
+    resolved = [e for e in events if e.resolved]
+    assert [(e.name, e.previous, e.state) for e in resolved] == [
+        ("order.charge", OperationState.NEEDS_INTERVENTION, OperationState.CONFIRMED)
+    ]
