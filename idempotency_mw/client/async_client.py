@@ -16,7 +16,7 @@ from idempotency_mw.client._base import ClientBase, check_http_options
 from idempotency_mw.client._drive import AsyncDriver, AsyncProbe
 from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
 from idempotency_mw.client.protocol import ProtocolOptions, Steps
-from idempotency_mw.client.values import JournalEntry, Operation, RequestParts
+from idempotency_mw.client.values import JournalEntry, Operation, OperationState, RequestParts
 
 T = TypeVar("T")
 
@@ -119,6 +119,13 @@ class IdempotentClient(ClientBase[httpx.AsyncClient]):
         given a request, and those a saga handed to a person, are skipped.
         """
         return await self.perform(self._protocol.reconcile())
+
+    async def record(self, operation: Operation, state: OperationState) -> None:
+        """Journal the outcome of ``operation`` when it was sent by other means under its key
+        (an SDK call given ``extra_headers={"Idempotency-Key": operation.key}``):
+        ``confirmed`` once it took effect, ``failed`` once it did not. Left unrecorded, it stays
+        ``pending`` (reconcile() skips it: the journal holds no request to re-send)."""
+        await self.perform(self._protocol.record(operation, state))
 
     async def attention(self) -> list[JournalEntry]:
         """Operations a person has to look at: ``needs_confirmation`` or ``needs_intervention``."""

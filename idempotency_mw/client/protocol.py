@@ -297,6 +297,13 @@ class Protocol:
         if entry is not None:
             yield from _Track(self, entry).save(replace(entry, state=state))
 
+    def record(self, operation: Operation, state: OperationState) -> Steps[None]:
+        """Journal the outcome (``confirmed`` or ``failed``) of an operation sent by other
+        means under its key, so that the journal does not keep it pending."""
+        if not state.settled:
+            raise ConfigurationError(f"an outcome is confirmed or failed, not {state.value}")
+        yield from self.mark(operation.key, state)
+
     def attention(self) -> Steps[list[JournalEntry]]:
         """Entries a person has to look at: ``needs_confirmation`` or ``needs_intervention``."""
         entries = yield from unsettled()

@@ -14,7 +14,7 @@ from idempotency_mw.client._closing import ClosedOnExit
 from idempotency_mw.client._drive import SyncDriver, SyncProbe
 from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
 from idempotency_mw.client.protocol import ProtocolOptions, Steps
-from idempotency_mw.client.values import JournalEntry, Operation, RequestParts
+from idempotency_mw.client.values import JournalEntry, Operation, OperationState, RequestParts
 
 T = TypeVar("T")
 
@@ -84,6 +84,10 @@ class SyncIdempotentClient(ClientBase[httpx.Client], ClosedOnExit):
     def reconcile(self) -> list[JournalEntry]:
         """See :meth:`IdempotentClient.reconcile`."""
         return self.perform(self._protocol.reconcile())
+
+    def record(self, operation: Operation, state: OperationState) -> None:
+        """See :meth:`IdempotentClient.record`."""
+        self.perform(self._protocol.record(operation, state))
 
     def attention(self) -> list[JournalEntry]:
         """See :meth:`IdempotentClient.attention`."""
