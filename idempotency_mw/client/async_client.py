@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from types import TracebackType
-from typing import Self, TypeVar, Unpack
+from typing import TypeVar, Unpack
 
 import anyio
 import anyio.to_thread
 import httpx
 
 from idempotency_mw.client._base import ClientBase, check_http_options
+from idempotency_mw.client._closing import AClosedOnExit
 from idempotency_mw.client._drive import AsyncDriver, AsyncProbe
 from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
 from idempotency_mw.client.protocol import ProtocolOptions, Steps
@@ -23,7 +23,7 @@ T = TypeVar("T")
 __all__ = ["AsyncProbe", "IdempotentClient"]
 
 
-class IdempotentClient(ClientBase[httpx.AsyncClient]):
+class IdempotentClient(ClientBase[httpx.AsyncClient], AClosedOnExit):
     """An async client whose non-GET operations are safe to retry.
 
     ``http`` is the httpx client to send with; when omitted, one is made on ``base_url`` with
@@ -143,14 +143,3 @@ class IdempotentClient(ClientBase[httpx.AsyncClient]):
             await self._http.aclose()
         if self._owns_journal:
             await anyio.to_thread.run_sync(self._journal.close)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        await self.aclose()
