@@ -155,8 +155,9 @@ class RequestParts(TypedDict, total=False):
 class RetryPolicy:
     """How one operation is retried.
 
-    Waits are "full jitter": uniform in ``[0, min(backoff_cap, backoff_base * 2**(n-1))]``
-    after the n-th attempt, unless the response says ``Retry-After: <seconds>``. ``deadline``
+    Waits are "full jitter" (the package's one backoff): uniform up to
+    ``min(backoff_cap, backoff_base * 2**(n-1))`` after the n-th attempt, unless the response
+    says how long to wait (``retry-after-ms``, or ``Retry-After: <seconds>``). ``deadline``
     bounds the whole operation (seconds): no wait or attempt timeout reaches past it, and a
     ``Retry-After`` that does ends the operation with :class:`OutcomeUnknown` at once.
     """
