@@ -28,7 +28,7 @@ from idempotency_mw.client import (
     SagaState,
     StepState,
 )
-from idempotency_mw.client.mcp import IdempotentToolCaller, ToolSession, tool_result, tool_step
+from idempotency_mw.client.mcp import IdempotentToolCaller, ToolSession, ToolStep, tool_result
 from tests.client_support import FakeTime
 
 pytestmark = pytest.mark.anyio
@@ -68,7 +68,8 @@ class Tools:
 
     async def _run(self, tool: str, ctx: Context) -> None:
         meta = ctx.request_context.meta or {}
-        self.runs.append((tool, meta.get("idempotencyKey")))
+        key = meta.get("idempotencyKey")
+        self.runs.append((tool, key if isinstance(key, str) else None))
         if self.slow:
             self.slow -= 1
             await anyio.sleep(2)
@@ -196,10 +197,10 @@ async def test_a_saga_of_tool_calls_compensates_under_its_steps_keys(
             Saga(caller.client, "order", ref="O-7")
             .step(
                 "reserve",
-                tool_step("reserve", {"order": "O-7"}),
-                compensate=tool_step("release", {"order": "O-7"}),
+                ToolStep("reserve", {"order": "O-7"}),
+                compensate=ToolStep("release", {"order": "O-7"}),
             )
-            .step("charge", tool_step("charge", {"order": "O-7"}))
+            .step("charge", ToolStep("charge", {"order": "O-7"}))
         )
         outcome = await saga.run()
         journaled = {e.name: e.key for e in caller.client.journal.unsettled()}

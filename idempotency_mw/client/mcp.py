@@ -26,7 +26,7 @@ from idempotency_mw.client._closing import AClosedOnExit
 from idempotency_mw.client.async_client import AsyncProbe, IdempotentClient
 from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
 from idempotency_mw.client.protocol import ProtocolOptions
-from idempotency_mw.client.saga import AsyncAction, AsyncStepClient
+from idempotency_mw.client.saga import AsyncStepClient
 from idempotency_mw.client.values import Operation
 from idempotency_mw.exceptions import ConfigurationError, describe
 
@@ -156,7 +156,7 @@ class IdempotentToolCaller(AClosedOnExit):
     :meth:`call_tool` with ``ref`` names a logical call: the same tool and ``ref`` (in this
     process, or another after a restart) is the same key, and a settled call is answered from
     the journal. Options are :class:`IdempotentClient`'s; ``client`` is the client underneath,
-    for :class:`Saga` steps (see :func:`tool_step`), ``reconcile()`` and ``attention()``.
+    for :class:`Saga` steps (see :class:`ToolStep`), ``reconcile()`` and ``attention()``.
     """
 
     def __init__(
@@ -206,12 +206,16 @@ class IdempotentToolCaller(AClosedOnExit):
         await self.client.aclose()
 
 
-def tool_step(tool: str, arguments: dict[str, Any] | None = None) -> AsyncAction:
-    """A :class:`Saga` step (or compensation's action) that calls ``tool`` under the step's
-    key; the saga runs on :attr:`IdempotentToolCaller.client`. :func:`tool_result` reads the
-    step's response."""
+class ToolStep:
+    """A :class:`Saga` step or compensation that calls ``tool`` with ``arguments`` under the
+    step's key; the saga runs on :attr:`IdempotentToolCaller.client`. :func:`tool_result`
+    reads the step's response."""
 
-    async def call(step: AsyncStepClient, *_: Any) -> httpx.Response:
-        return await step.post(tool_path(tool), json=arguments)
+    def __init__(self, tool: str, arguments: dict[str, Any] | None = None) -> None:
+        self.tool = tool
+        self.arguments = arguments
 
-    return call
+    async def __call__(
+        self, step: AsyncStepClient, response: httpx.Response | None = None
+    ) -> httpx.Response:
+        return await step.post(tool_path(self.tool), json=self.arguments)
