@@ -28,6 +28,8 @@ from idempotency_mw.cli import main as cli
 from idempotency_mw.client import (
     AsyncStepClient,
     ClientEvent,
+    IdempotencyCredentialMismatch,
+    IdempotencyKeyMismatch,
     IdempotentClient,
     OperationState,
     RetryPolicy,
@@ -308,6 +310,48 @@ async def test_a_step_committed_without_response_has_taken_effect(fake_time: Fak
         outcome = await saga.run()
     assert outcome.state is SagaState.COMPLETED
     assert outcome.step("charge").response.status_code == 409
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("slug", "error"),
+    [("mismatch", IdempotencyKeyMismatch), ("credential-mismatch", IdempotencyCredentialMismatch)],
+)
+async def test_a_caller_bug_in_a_step_is_raised_not_compensated(
+    fake_time: FakeTime, slug: str, error: type[Exception]
+) -> None:
+    sent: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        if request.url.path == "/charge":
+            return problem(409, slug)
+        return httpx.Response(201, json={"ok": True})
+
+    async def reserve(step: AsyncStepClient) -> httpx.Response:
+        return await step.post("/reserve")
+
+    async def release(step: AsyncStepClient, response: httpx.Response) -> httpx.Response:
+        return await step.post("/release")
+
+    async def charge(step: AsyncStepClient) -> httpx.Response:
+        return await step.post("/charge")
+
+    client = IdempotentClient(
+        http=httpx.AsyncClient(transport=httpx.MockTransport(handle), base_url="http://x"),
+        journal=":memory:",
+        sleep=fake_time.sleep,
+        clock=fake_time.clock,
+    )
+    async with client.http, client:
+        saga = (
+            Saga(client, "order", ref="ORD-9")
+            .step("reserve", reserve, compensate=release)
+            .step("charge", charge)
+        )
+        with pytest.raises(error):
+            await saga.run()
+    assert sent == ["/reserve", "/charge"]  # a bug to fix, not a failure to compensate
 
 
 # --- The sync twin, and bad definitions ----------------------------------------------------
