@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,10 @@ class Backoff:
     factor: float = 2.0
     jitter: float = 1.0
 
-    def delay(self, attempt: int, draw: Callable[[], float] = random.random) -> float:
-        """The pause before retry number ``attempt`` (0 for the first retry)."""
-        ceiling = min(self.cap, self.first * self.factor ** min(attempt, 64))
+    def delay(
+        self, attempt: int, draw: Callable[[], float] = random.random, *, limit: float = math.inf
+    ) -> float:
+        """The pause before retry number ``attempt`` (0 for the first retry), at most ``limit``
+        (the time left, say: the jitter then spreads below it)."""
+        ceiling = max(min(self.cap, self.first * self.factor ** min(attempt, 64), limit), 0.0)
         return ceiling * (1.0 - self.jitter * draw())

@@ -41,8 +41,8 @@ from idempotency_mw.client import (
     sync_url,
 )
 from idempotency_mw.client import open_journal as journal_at
-from idempotency_mw.client.core import key_digest
 from idempotency_mw.client.journals import needing_attention
+from idempotency_mw.client.protocol import key_digest
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import metadata
 from tests.conftest import (

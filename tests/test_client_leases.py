@@ -14,6 +14,7 @@ import asyncio
 import json
 import sqlite3
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -210,21 +211,26 @@ async def test_a_waiter_answers_with_the_holders_outcome_without_sending(
     assert service.tickets(ref) == 1
 
 
-@pytest.mark.anyio
-async def test_a_send_that_ends_or_is_cancelled_lets_go_of_its_lease(tmp_path: Path) -> None:
-    hang = anyio.Event()
+def hanging_client(path: Path, hang: anyio.Event) -> tuple[IdempotentClient, SQLiteJournal]:
+    """A client with 0.3 s leases whose requests to ``/hang`` hang until ``hang`` is set."""
 
     async def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/hang":
             await hang.wait()
         return httpx.Response(201)
 
-    journal = SQLiteJournal(tmp_path / "journal.sqlite3")
+    journal = SQLiteJournal(path / "journal.sqlite3")
     client = IdempotentClient(
         http=httpx.AsyncClient(transport=httpx.MockTransport(handle), base_url="http://x"),
         journal=journal,
         lease=timedelta(seconds=0.3),
     )
+    return client, journal
+
+
+@pytest.mark.anyio
+async def test_a_send_that_ends_or_is_cancelled_lets_go_of_its_lease(tmp_path: Path) -> None:
+    client, journal = hanging_client(tmp_path, anyio.Event())
     async with client.http, client:
         done = await client.operation("done")
         await client.send(done, "POST", "/done")
@@ -234,4 +240,23 @@ async def test_a_send_that_ends_or_is_cancelled_lets_go_of_its_lease(tmp_path: P
         await anyio.sleep(0.5)  # a renewal left running would hold the lease past this
         assert journal.acquire(done.key, "another", 30.0)
         assert journal.acquire(hung.key, "another", 30.0)
+    journal.close()
+
+
+@pytest.mark.anyio
+async def test_the_async_client_renews_its_lease_in_a_task_not_a_thread_per_send(
+    tmp_path: Path,
+) -> None:
+    hang = anyio.Event()
+    threads_while_sending: list[set[str]] = []
+    client, journal = hanging_client(tmp_path, hang)
+    async with client.http, client, anyio.create_task_group() as tg:
+        operation = await client.operation("held")
+        tg.start_soon(client.send, operation, "POST", "/hang")
+        await anyio.sleep(0.7)  # past two lease lengths: only renewals keep it
+        threads_while_sending.append({thread.name for thread in threading.enumerate()})
+        assert not await anyio.to_thread.run_sync(journal.acquire, operation.key, "other", 30.0)
+        hang.set()
+    assert "idempotency-lease" not in threads_while_sending[0]
+    assert journal.acquire(operation.key, "other", 30.0)  # released once the send ended
     journal.close()

@@ -9,7 +9,7 @@ transport; time is fake.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +26,11 @@ from example_app.saga_demo import LARGE_CENTS, SMALL_CENTS, Order, order_saga
 from idempotency_mw import ConfigurationError
 from idempotency_mw.cli import main as cli
 from idempotency_mw.client import (
+    AsyncAction,
     AsyncStepClient,
+    ClientEvent,
+    IdempotencyCredentialMismatch,
+    IdempotencyKeyMismatch,
     IdempotentClient,
     OperationState,
     RetryPolicy,
@@ -283,6 +287,27 @@ async def test_a_compensation_that_keeps_failing_is_retried_to_the_deadline_then
     assert service.state("ORD-1")["charges"] == ["refunded"]
 
 
+def scripted_client(
+    handle: Callable[[httpx.Request], httpx.Response], fake_time: FakeTime
+) -> IdempotentClient:
+    """A client on a scripted service, with an in-memory journal and fake time."""
+    return IdempotentClient(
+        http=httpx.AsyncClient(transport=httpx.MockTransport(handle), base_url="http://x"),
+        journal=":memory:",
+        sleep=fake_time.sleep,
+        clock=fake_time.clock,
+    )
+
+
+def post(path: str) -> AsyncAction:
+    """A step that posts to ``path``."""
+
+    async def action(step: AsyncStepClient) -> httpx.Response:
+        return await step.post(path)
+
+    return action
+
+
 @pytest.mark.anyio
 async def test_a_step_committed_without_response_has_taken_effect(fake_time: FakeTime) -> None:
     def handle(request: httpx.Request) -> httpx.Response:
@@ -290,23 +315,43 @@ async def test_a_step_committed_without_response_has_taken_effect(fake_time: Fak
             return problem(409, "committed-without-response")
         return httpx.Response(201, json={"ok": True})
 
-    async def reserve(step: AsyncStepClient) -> httpx.Response:
-        return await step.post("/reserve")
-
-    async def charge(step: AsyncStepClient) -> httpx.Response:
-        return await step.post("/charge")
-
-    client = IdempotentClient(
-        http=httpx.AsyncClient(transport=httpx.MockTransport(handle), base_url="http://x"),
-        journal=":memory:",
-        sleep=fake_time.sleep,
-        clock=fake_time.clock,
-    )
+    client = scripted_client(handle, fake_time)
     async with client.http, client:
-        saga = Saga(client, "order", ref="ORD-9").step("reserve", reserve).step("charge", charge)
+        saga = Saga(client, "order", ref="ORD-9").step("reserve", post("/reserve"))
+        saga.step("charge", post("/charge"))
         outcome = await saga.run()
     assert outcome.state is SagaState.COMPLETED
     assert outcome.step("charge").response.status_code == 409
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("slug", "error"),
+    [("mismatch", IdempotencyKeyMismatch), ("credential-mismatch", IdempotencyCredentialMismatch)],
+)
+async def test_a_caller_bug_in_a_step_is_raised_not_compensated(
+    fake_time: FakeTime, slug: str, error: type[Exception]
+) -> None:
+    sent: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        if request.url.path == "/charge":
+            return problem(409, slug)
+        return httpx.Response(201, json={"ok": True})
+
+    async def release(step: AsyncStepClient, response: httpx.Response) -> httpx.Response:
+        return await step.post("/release")
+
+    client = scripted_client(handle, fake_time)
+    async with client.http, client:
+        saga = Saga(client, "order", ref="ORD-9").step(
+            "reserve", post("/reserve"), compensate=release
+        )
+        saga.step("charge", post("/charge"))
+        with pytest.raises(error):
+            await saga.run()
+    assert sent == ["/reserve", "/charge"]  # a bug to fix, not a failure to compensate
 
 
 # --- The sync twin, and bad definitions ----------------------------------------------------
@@ -364,3 +409,34 @@ async def test_saga_definitions_are_checked() -> None:
         saga.step("reserve", nothing)
         with pytest.raises(ConfigurationError, match="has a step"):
             saga.step("reserve", nothing)
+
+
+@pytest.mark.anyio
+async def test_a_step_handed_to_a_person_is_reported_and_so_is_its_resolution(
+    service: Service, journal_path: Path, fake_time: FakeTime
+) -> None:
+    events: list[ClientEvent] = []
+
+    def client(network: Network) -> IdempotentClient:
+        return IdempotentClient(
+            http=httpx.AsyncClient(transport=network, base_url="http://orders"),
+            journal=journal_path,
+            policy=POLICY,
+            sleep=fake_time.sleep,
+            clock=fake_time.clock,
+            on_event=events.append,
+        )
+
+    stuck = await run(client(Network(service.app, down={"charge": "lose"})), order())
+    assert stuck.state is SagaState.NEEDS_INTERVENTION
+    handed = [e for e in events if e.state is OperationState.NEEDS_INTERVENTION]
+    assert [(e.name, e.previous) for e in handed] == [("order.charge", OperationState.UNKNOWN)]
+    assert handed[0].needs_attention
+
+    events.clear()
+    resumed = await run(client(Network(service.app)), order())
+    assert resumed.state is SagaState.COMPLETED
+    resolved = [e for e in events if e.resolved]
+    assert [(e.name, e.previous, e.state) for e in resolved] == [
+        ("order.charge", OperationState.NEEDS_INTERVENTION, OperationState.CONFIRMED)
+    ]

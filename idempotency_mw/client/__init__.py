@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from idempotency_mw.client.async_client import AsyncProbe, IdempotentClient
 from idempotency_mw.client.attention import AttentionRow, attention_rows
 from idempotency_mw.client.classify import PROBLEM_TYPE_PREFIX, Verdict, classify, retry_after
-from idempotency_mw.client.core import DEFAULT_LEASE, DEFAULT_RETENTION
 from idempotency_mw.client.errors import (
     CommittedWithoutResponse,
+    IdempotencyCredentialMismatch,
     IdempotencyKeyMismatch,
     NeedsConfirmation,
     NotSent,
@@ -26,6 +26,7 @@ from idempotency_mw.client.errors import (
     OutcomeUnknown,
     ResponseNotReplayable,
 )
+from idempotency_mw.client.events import ClientEvent, ClientEventHook, ClientMetrics
 from idempotency_mw.client.journals import (
     DEFAULT_JOURNAL_PATH,
     Journal,
@@ -35,6 +36,7 @@ from idempotency_mw.client.journals import (
     open_journal,
     sync_url,
 )
+from idempotency_mw.client.protocol import DEFAULT_LEASE, DEFAULT_RETENTION, Protocol
 from idempotency_mw.client.saga import (
     AsyncAction,
     AsyncCompensation,
@@ -69,7 +71,11 @@ __all__ = [
     "AsyncProbe",
     "AsyncStepClient",
     "AttentionRow",
+    "ClientEvent",
+    "ClientEventHook",
+    "ClientMetrics",
     "CommittedWithoutResponse",
+    "IdempotencyCredentialMismatch",
     "IdempotencyKeyMismatch",
     "IdempotentClient",
     "Journal",
@@ -80,6 +86,7 @@ __all__ = [
     "OperationError",
     "OperationState",
     "OutcomeUnknown",
+    "Protocol",
     "RedisJournal",
     "RequestParts",
     "ResponseNotReplayable",

@@ -1,4 +1,4 @@
-"""What the async and the sync client hold alike: their httpx client, probes, core and sleep."""
+"""What the async and the sync client hold alike: their httpx client, journal and protocol."""
 
 from __future__ import annotations
 
@@ -8,18 +8,16 @@ from typing import Generic, TypeVar
 
 import httpx
 
-from idempotency_mw.client.core import Core, CoreOptions
-from idempotency_mw.client.journals import Journal
+from idempotency_mw.client.journals import Journal, open_journal
+from idempotency_mw.client.protocol import Protocol, ProtocolOptions
 from idempotency_mw.exceptions import ConfigurationError
 
 H = TypeVar("H", httpx.Client, httpx.AsyncClient)
-P = TypeVar("P")
-S = TypeVar("S")
 
 
-class ClientBase(Generic[H, P, S]):
-    """The state of a client: ``http`` (made by it when ``owns_http``), the probes of
-    ``confirm``, the :class:`Core` and the ``sleep`` it waits with."""
+class ClientBase(Generic[H]):
+    """The state of a client: ``http`` (made by it when ``owns_http``), the journal (opened by
+    it unless given as a :class:`Journal`), and the :class:`Protocol` built from ``options``."""
 
     def __init__(
         self,
@@ -27,22 +25,17 @@ class ClientBase(Generic[H, P, S]):
         *,
         owns_http: bool,
         journal: Journal | str | os.PathLike[str],
-        confirm: Mapping[str, P] | None,
-        sleep: S,
+        probed: Mapping[str, object],
         clock: Callable[[], float],
-        options: CoreOptions,
+        options: ProtocolOptions,
     ) -> None:
-        self._http: H = http
-        self._probes: dict[str, P] = dict(confirm or {})
-        self._core = Core(
-            http,
-            owns_http=owns_http,
-            journal=journal,
-            clock=clock,
-            probed=frozenset(self._probes),
-            **options,
+        self._protocol = Protocol(
+            http.build_request, clock=clock, probed=frozenset(probed), **options
         )
-        self._sleep: S = sleep
+        self._http: H = http
+        self._owns_http = owns_http
+        self._owns_journal = not isinstance(journal, Journal)
+        self._journal: Journal = journal if isinstance(journal, Journal) else open_journal(journal)
 
     @property
     def http(self) -> H:
@@ -52,7 +45,12 @@ class ClientBase(Generic[H, P, S]):
     @property
     def journal(self) -> Journal:
         """The journal of this client's operations."""
-        return self._core.journal
+        return self._journal
+
+    @property
+    def protocol(self) -> Protocol:
+        """The sans-IO protocol this client performs (see :meth:`IdempotentClient.perform`)."""
+        return self._protocol
 
 
 def check_http_options(

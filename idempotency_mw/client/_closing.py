@@ -1,4 +1,4 @@
-"""``with thing:`` closes it at the end of the block."""
+"""``with thing:`` (``async with thing:``) closes it at the end of the block."""
 
 from __future__ import annotations
 
@@ -24,3 +24,22 @@ class ClosedOnExit(abc.ABC):
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class AClosedOnExit(abc.ABC):
+    """Closes itself when an ``async with`` block ends."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release what the object opened."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()

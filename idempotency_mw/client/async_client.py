@@ -1,42 +1,29 @@
-"""IdempotentClient: the async client, performing the core's steps with httpx and anyio."""
+"""IdempotentClient: the async client, running the protocol on the async interpreter."""
 
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from types import TracebackType
-from typing import Self, TypeVar, Unpack
+from typing import TypeVar, Unpack
 
 import anyio
 import anyio.to_thread
 import httpx
 
 from idempotency_mw.client._base import ClientBase, check_http_options
-from idempotency_mw.client.core import (
-    Acquire,
-    CoreOptions,
-    Get,
-    Probe,
-    Reply,
-    Save,
-    Send,
-    Sleep,
-    Steps,
-)
+from idempotency_mw.client._closing import AClosedOnExit
+from idempotency_mw.client._drive import AsyncDriver, AsyncProbe
 from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
+from idempotency_mw.client.protocol import ProtocolOptions, Steps
 from idempotency_mw.client.values import JournalEntry, Operation, OperationState, RequestParts
 
 T = TypeVar("T")
 
-#: A confirmation probe: looks an operation's effect up (by its ``ref``, typically) and
-#: returns the response that shows it, or ``None`` when it did not happen.
-AsyncProbe = Callable[[httpx.AsyncClient, JournalEntry], Awaitable[httpx.Response | None]]
+__all__ = ["AsyncProbe", "IdempotentClient"]
 
 
-class IdempotentClient(
-    ClientBase[httpx.AsyncClient, AsyncProbe, Callable[[float], Awaitable[None]]]
-):
+class IdempotentClient(ClientBase[httpx.AsyncClient], AClosedOnExit):
     """An async client whose non-GET operations are safe to retry.
 
     ``http`` is the httpx client to send with; when omitted, one is made on ``base_url`` with
@@ -51,7 +38,8 @@ class IdempotentClient(
     attempt is confirmed that way before it is re-sent. ``lease`` (default 30 s): how long
     another process sharing the journal waits for this one to send an operation, renewed while
     sending. ``policy`` is the :class:`RetryPolicy`; ``header_name``, ``key_prefix`` and
-    ``session_id`` shape keys; ``sleep``, ``clock`` and ``rng`` are injectable for tests.
+    ``session_id`` shape keys; ``on_event`` receives a :class:`ClientEvent` for each journaled
+    change of an operation's state; ``sleep``, ``clock`` and ``rng`` are injectable for tests.
     """
 
     def __init__(
@@ -65,7 +53,7 @@ class IdempotentClient(
         confirm: Mapping[str, AsyncProbe] | None = None,
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
         clock: Callable[[], float] = time.monotonic,
-        **options: Unpack[CoreOptions],
+        **options: Unpack[ProtocolOptions],
     ) -> None:
         check_http_options(http, headers, auth)
         super().__init__(
@@ -74,18 +62,16 @@ class IdempotentClient(
             else httpx.AsyncClient(base_url=base_url, headers=headers, auth=auth),
             owns_http=http is None,
             journal=journal,
-            confirm=confirm,
-            sleep=sleep,
+            probed=confirm or {},
             clock=clock,
             options=options,
         )
+        self._driver = AsyncDriver(self._protocol, self._http, self._journal, confirm or {}, sleep)
 
     async def operation(self, name: str, *, ref: str | None = None) -> Operation:
         """Decide an operation and journal its new key; with ``ref``, resume the journaled
         operation of that name and ref (with its key) if there is one."""
-        entry = self._core.new_entry(name, ref)
-        stored = await anyio.to_thread.run_sync(self._core.journal.add, entry)
-        return stored.operation
+        return await self.perform(self._protocol.operation(name, ref))
 
     async def send(
         self,
@@ -109,8 +95,8 @@ class IdempotentClient(
         so credentials stay out of the journal); attempt timeouts come from the
         :class:`RetryPolicy`.
         """
-        entry = self._core.prepare(operation, method, url, parts, keyless)
-        return await self._perform(self._core.exchange(entry))
+        entry = self._protocol.prepare(operation, method, url, parts, keyless)
+        return await self.perform(self._protocol.exchange(entry))
 
     async def post(
         self,
@@ -132,87 +118,28 @@ class IdempotentClient(
         Returns their entries afterwards; errors are logged, not raised. Operations never
         given a request, and those a saga handed to a person, are skipped.
         """
-        entries = await anyio.to_thread.run_sync(self._core.resendable)
-        return [await self._perform(self._core.settle(entry)) for entry in entries]
+        return await self.perform(self._protocol.reconcile())
+
+    async def record(self, operation: Operation, state: OperationState) -> None:
+        """Journal the outcome of ``operation`` when it was sent by other means under its key
+        (an SDK call given ``extra_headers={"Idempotency-Key": operation.key}``):
+        ``confirmed`` once it took effect, ``failed`` once it did not. Left unrecorded, it stays
+        ``pending`` (reconcile() skips it: the journal holds no request to re-send)."""
+        await self.perform(self._protocol.record(operation, state))
 
     async def attention(self) -> list[JournalEntry]:
         """Operations a person has to look at: ``needs_confirmation`` or ``needs_intervention``."""
-        return await anyio.to_thread.run_sync(self._core.attention)
+        return await self.perform(self._protocol.attention())
+
+    async def perform(self, steps: Steps[T]) -> T:
+        """Run a generator of the protocol's effects (see :mod:`idempotency_mw.client.protocol`)
+        on this client's httpx client, journal, probes and sleep: what every method above and
+        :class:`Saga` do. Leases it takes are released when it ends."""
+        return await self._driver.perform(steps)
 
     async def aclose(self) -> None:
         """Close the httpx client and the journal, if this client opened them."""
-        if self._core.owns_http:
+        if self._owns_http:
             await self._http.aclose()
-        if self._core.owns_journal:
-            await anyio.to_thread.run_sync(self._core.journal.close)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    # --- For sagas -------------------------------------------------------------------------
-
-    async def _saga_operation(self, name: str, ref: str) -> tuple[Operation, JournalEntry]:
-        stored = await anyio.to_thread.run_sync(
-            self._core.journal.add, self._core.derived_entry(name, ref)
-        )
-        return stored.operation, stored
-
-    async def _resume(self, entry: JournalEntry) -> httpx.Response:
-        return await self._perform(self._core.exchange(entry))
-
-    async def _mark(self, key: str, state: OperationState) -> None:
-        await anyio.to_thread.run_sync(self._core.mark, key, state)
-
-    # --- The driver ------------------------------------------------------------------------
-
-    async def _perform(self, steps: Steps[T]) -> T:
-        held: set[str] = set()
-        reply: Reply = None
-        try:
-            while True:
-                try:
-                    step = steps.send(reply)
-                except StopIteration as done:
-                    result: T = done.value
-                    return result
-                reply = await self._step(step, held)
-        finally:
-            steps.close()
-            if held:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self._core.release, held)
-
-    async def _step(self, step: object, held: set[str]) -> Reply:
-        core, journal = self._core, self._core.journal
-        if isinstance(step, Send):
-            renewal = core.renewal(step.lease)
-            try:
-                return await self._http.send(step.request)
-            except Exception as exc:
-                return exc
-            finally:
-                with anyio.CancelScope(shield=True):  # a renewal must never outlive its send
-                    await anyio.to_thread.run_sync(renewal.stop)
-        if isinstance(step, Sleep):
-            await self._sleep(step.seconds)
-            return None
-        if isinstance(step, Save):
-            await anyio.to_thread.run_sync(journal.save, step.entry)
-            return None
-        if isinstance(step, Get):
-            return await anyio.to_thread.run_sync(journal.get, step.key)
-        if isinstance(step, Acquire):
-            return await anyio.to_thread.run_sync(core.take_lease, step.key, held)
-        assert isinstance(step, Probe)
-        try:
-            return await self._probes[step.entry.name](self._http, step.entry)
-        except Exception as exc:
-            return exc
+        if self._owns_journal:
+            await anyio.to_thread.run_sync(self._journal.close)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
-from idempotency_mw.client.core import key_digest
 from idempotency_mw.client.journals import Journal, needing_attention
+from idempotency_mw.client.protocol import key_digest
 
 
 @dataclass(frozen=True, slots=True)

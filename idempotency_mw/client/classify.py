@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 
 import httpx
 
@@ -13,6 +14,7 @@ MISMATCH = PROBLEM_TYPE_PREFIX + "mismatch"
 IN_PROGRESS = PROBLEM_TYPE_PREFIX + "in-progress"
 NOT_REPLAYABLE = PROBLEM_TYPE_PREFIX + "not-replayable"
 COMMITTED_WITHOUT_RESPONSE = PROBLEM_TYPE_PREFIX + "committed-without-response"
+CREDENTIAL_MISMATCH = PROBLEM_TYPE_PREFIX + "credential-mismatch"
 
 
 class Verdict(enum.Enum):
@@ -23,6 +25,9 @@ class Verdict(enum.Enum):
     RETRY = "retry"  # outcome unknown: retry with the same key; unknown
     NOT_SENT = "not-sent"  # nothing left the caller: retry; failed if it never got out
     MISMATCH = "mismatch"  # raise IdempotencyKeyMismatch; failed
+    #: raise IdempotencyCredentialMismatch; failed, or needs_intervention when an earlier
+    #: attempt may have run under the other credentials
+    CREDENTIAL_MISMATCH = "credential-mismatch"
     NOT_REPLAYABLE = "not-replayable"  # took effect, no response: raise; confirmed
     UNSENDABLE = "unsendable"  # the request cannot be sent as built: re-raise; failed
     RAISE = "raise"  # any other exception: re-raise; the journal is left as it is
@@ -40,6 +45,7 @@ _RETRYABLE_ERRORS = (
 _RETRYABLE_STATUSES = frozenset({408, 425, 429})
 #: 5xx that say the request can never succeed as sent, however often it is retried.
 _FINAL_5XX = frozenset({501, 505})
+_DECIMAL = re.compile(r"[0-9]{1,12}(\.[0-9]{1,6})?")
 
 
 def classify(outcome: httpx.Response | Exception) -> Verdict:
@@ -61,6 +67,8 @@ def classify(outcome: httpx.Response | Exception) -> Verdict:
     kind = problem_type(outcome) if status in (409, 422) else ""
     if kind == MISMATCH:
         return Verdict.MISMATCH
+    if status == 409 and kind == CREDENTIAL_MISMATCH:
+        return Verdict.CREDENTIAL_MISMATCH
     if status == 409 and kind == IN_PROGRESS:
         return Verdict.RETRY
     if status == 409 and kind in (NOT_REPLAYABLE, COMMITTED_WITHOUT_RESPONSE):
@@ -85,6 +93,18 @@ def problem_type(response: httpx.Response) -> str:
 
 
 def retry_after(response: httpx.Response) -> float | None:
-    """``Retry-After`` in seconds, when given in its delay-seconds form."""
+    """The wait the server asks for, in seconds: ``retry-after-ms`` (milliseconds, more
+    precise) when given, else ``Retry-After`` in its delay-seconds form."""
+    precise = _number(response.headers.get("retry-after-ms", ""))
+    if precise is not None:
+        return precise / 1000.0
     value = response.headers.get("retry-after", "").strip()
     return float(value) if value.isascii() and value.isdigit() else None
+
+
+def _number(text: str) -> float | None:
+    """A finite, non-negative decimal number, or None."""
+    text = text.strip()
+    if not _DECIMAL.fullmatch(text):
+        return None
+    return float(text)

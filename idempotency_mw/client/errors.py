@@ -25,6 +25,18 @@ class IdempotencyKeyMismatch(OperationError):
     """
 
 
+class IdempotencyCredentialMismatch(OperationError):
+    """The key belongs to a request sent with other credentials (the server's 409
+    ``credential-mismatch``): the caller's credentials changed under one key, a bug in the
+    caller like a key mismatch. Send it with the first request's credentials, or decide a new
+    operation.
+
+    The journal marks the operation ``failed`` when no earlier attempt of it may have reached
+    the server (the key is another caller's), and ``needs_intervention`` otherwise: an earlier
+    attempt, under the other credentials, may have taken effect. ``response`` is the problem.
+    """
+
+
 class ResponseNotReplayable(OperationError):
     """The operation took effect, but the server cannot give its response (it was too large).
 

@@ -3,15 +3,15 @@
 Every step and every compensation is an operation whose key follows from the saga's name, its
 ``ref`` and the step's name, so running the same saga again (after a crash, in another
 process) finds them in the journal: what is settled there is not sent again. Like the clients,
-the saga's logic is one generator that yields what it needs done; :class:`Saga` and
-:class:`SyncSaga` only perform it.
+the saga's logic is one generator of the protocol's effects; :class:`Saga` and
+:class:`SyncSaga` run it on their client's interpreter (:meth:`IdempotentClient.perform`).
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeAlias, TypeVar, Unpack
@@ -19,8 +19,8 @@ from typing import Any, Generic, TypeAlias, TypeVar, Unpack
 import httpx
 
 from idempotency_mw.client.async_client import IdempotentClient
-from idempotency_mw.client.core import check_name
 from idempotency_mw.client.errors import (
+    IdempotencyCredentialMismatch,
     IdempotencyKeyMismatch,
     NeedsConfirmation,
     NotSent,
@@ -28,8 +28,9 @@ from idempotency_mw.client.errors import (
     OutcomeUnknown,
     ResponseNotReplayable,
 )
+from idempotency_mw.client.protocol import Call, Protocol, Sleep, Steps, check_name
 from idempotency_mw.client.sync_client import SyncIdempotentClient
-from idempotency_mw.client.values import JournalEntry, Operation, OperationState, RequestParts
+from idempotency_mw.client.values import Operation, OperationState, RequestParts
 from idempotency_mw.exceptions import ConfigurationError
 
 R = TypeVar("R")
@@ -136,45 +137,7 @@ class _Step:
     compensate: Callable[..., Any] | None
 
 
-# --- What the saga generator asks its driver to do --------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Begin:
-    """Journal (or find) the operation ``name`` of this saga. Reply: (Operation, JournalEntry)."""
-
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Run:
-    """Settle the operation: re-send its journaled request, or ``call(step client, *args)``
-    when it has none. Reply: the response, or the OperationError it ended with."""
-
-    operation: Operation
-    stored: JournalEntry
-    call: Callable[..., Any]
-    args: tuple[Any, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Mark:
-    """Journal ``state`` for the operation ``key``. Reply: None."""
-
-    key: str
-    state: OperationState
-
-
-@dataclass(frozen=True, slots=True)
-class _Pause:
-    """Wait ``seconds``. Reply: None."""
-
-    seconds: float
-
-
-_Effect: TypeAlias = _Begin | _Run | _Mark | _Pause
 _Result: TypeAlias = httpx.Response | OperationError
-_Effects: TypeAlias = Generator[_Effect, Any, R]
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,11 +146,12 @@ class _Plan:
     ref: str
     steps: tuple[_Step, ...]
     deadline: float
-    clock: Callable[[], float]
-    backoff: Callable[[int], float]
+    protocol: Protocol
+    #: The step client of an operation, sending through the saga's client.
+    step_client: Callable[[Operation], StepClient[Any, Any]]
 
 
-def _saga(plan: _Plan) -> _Effects[SagaOutcome]:
+def _saga(plan: _Plan) -> Steps[SagaOutcome]:
     """Run (or resume) the saga: forward while steps take effect, then compensate in reverse
     from the first step that did not."""
     outcomes = [StepOutcome(step.name, StepState.NOT_RUN) for step in plan.steps]
@@ -223,42 +187,50 @@ def _saga(plan: _Plan) -> _Effects[SagaOutcome]:
         outcomes[index] = StepOutcome(
             step.name, StepState.COMPENSATION_FAILED, done.response, _response(result)
         )
-        yield from _hand_over(name, result)
+        yield from _hand_over(plan, name, result)
         return ended(SagaState.NEEDS_INTERVENTION)
     return ended(SagaState.COMPENSATED)
 
 
 def _settle(
     plan: _Plan, name: str, call: Callable[..., Any], args: tuple[Any, ...], *, forward: bool
-) -> _Effects[_Result]:
+) -> Steps[_Result]:
     """The outcome of the operation ``name``, tried again with backoff until the saga's
     deadline while it is unknown (or, for a compensation, not sent). A step whose outcome is
     still unknown then is journaled ``needs_intervention``: it is never compensated unconfirmed.
     """
-    until = plan.clock() + plan.deadline
+    protocol = plan.protocol
+    until = protocol.clock() + plan.deadline
     tries = 0
     while True:
-        operation, stored = yield _Begin(name)
+        stored = yield from protocol.derived(name, plan.ref)
+        result: _Result
         if stored.state is OperationState.FAILED and stored.response_body is None:
-            result: _Result = NotSent("it never left the caller", operation.key)
+            result = NotSent("it never left the caller", stored.key)
+        elif stored.method is not None:  # its request is journaled: settle that one
+            try:
+                result = yield from protocol.exchange(stored)
+            except OperationError as exc:
+                result = exc
         else:
-            result = yield _Run(operation, stored, call, args)
-        if isinstance(result, IdempotencyKeyMismatch):
+            result = yield Call(call, (plan.step_client(stored.operation), *args))
+        if isinstance(result, IdempotencyKeyMismatch | IdempotencyCredentialMismatch):
             raise result
         retry = isinstance(result, OutcomeUnknown) or (not forward and isinstance(result, NotSent))
-        if not retry or isinstance(result, NeedsConfirmation) or plan.clock() >= until:
+        if not retry or isinstance(result, NeedsConfirmation) or protocol.clock() >= until:
             if forward and isinstance(result, OutcomeUnknown):
-                yield from _hand_over(name, result)
+                yield from _hand_over(plan, name, result)
             return result
         tries += 1
-        yield _Pause(min(plan.backoff(tries), max(until - plan.clock(), 0.0)))
+        left = max(until - protocol.clock(), 0.0)
+        yield Sleep(min(protocol.policy.backoff(tries, protocol.rng), left))
 
 
-def _hand_over(name: str, result: _Result) -> _Effects[None]:
+def _hand_over(plan: _Plan, name: str, result: _Result) -> Steps[None]:
     """Journal the operation ``name`` for a person, unless it waits for a probe already."""
     if not isinstance(result, NeedsConfirmation):
-        operation, _ = yield _Begin(name)
-        yield _Mark(operation.key, OperationState.NEEDS_INTERVENTION)
+        stored = yield from plan.protocol.derived(name, plan.ref)
+        yield from plan.protocol.mark(stored.key, OperationState.NEEDS_INTERVENTION)
 
 
 def _took_effect(result: _Result) -> bool:
@@ -292,10 +264,12 @@ class _Builder:
         check_name(f"{self.name}.{name}.undo")
         self._steps.append(_Step(name, action, compensate))
 
-    def _plan(self, clock: Callable[[], float], backoff: Callable[[int], float]) -> _Plan:
+    def _plan(
+        self, protocol: Protocol, step_client: Callable[[Operation], StepClient[Any, Any]]
+    ) -> _Plan:
         if not self._steps:
             raise ConfigurationError(f"the saga {self.name!r} has no steps")
-        return _Plan(self.name, self.ref, tuple(self._steps), self.deadline, clock, backoff)
+        return _Plan(self.name, self.ref, tuple(self._steps), self.deadline, protocol, step_client)
 
 
 class Saga(_Builder):
@@ -332,36 +306,11 @@ class Saga(_Builder):
         """Run the saga, or resume it from the journal: settled operations are not sent
         again, and a step left unknown is settled before the saga goes on or back."""
         client = self._client
-        core = client._core
-        effects = _saga(self._plan(core.clock, lambda n: core.policy.backoff(n, core.rng)))
-        reply: Any = None
-        while True:
-            try:
-                effect = effects.send(reply)
-            except StopIteration as done:
-                outcome: SagaOutcome = done.value
-                return outcome
-            if isinstance(effect, _Begin):
-                reply = await client._saga_operation(effect.name, self.ref)
-            elif isinstance(effect, _Run):
-                reply = await self._run(effect)
-            elif isinstance(effect, _Mark):
-                await client._mark(effect.key, effect.state)
-                reply = None
-            else:
-                await client._sleep(effect.seconds)
-                reply = None
 
-    async def _run(self, effect: _Run) -> _Result:
-        client = self._client
-        try:
-            if effect.stored.method is not None:
-                return await client._resume(effect.stored)
-            step = StepClient(client.send, effect.operation, client.http)
-            response: httpx.Response = await effect.call(step, *effect.args)
-            return response
-        except OperationError as exc:
-            return exc
+        def step_client(operation: Operation) -> AsyncStepClient:
+            return StepClient(client.send, operation, client.http)
+
+        return await client.perform(_saga(self._plan(client.protocol, step_client)))
 
 
 class SyncSaga(_Builder):
@@ -388,33 +337,8 @@ class SyncSaga(_Builder):
     def run(self) -> SagaOutcome:
         """See :meth:`Saga.run`."""
         client = self._client
-        core = client._core
-        effects = _saga(self._plan(core.clock, lambda n: core.policy.backoff(n, core.rng)))
-        reply: Any = None
-        while True:
-            try:
-                effect = effects.send(reply)
-            except StopIteration as done:
-                outcome: SagaOutcome = done.value
-                return outcome
-            if isinstance(effect, _Begin):
-                reply = client._saga_operation(effect.name, self.ref)
-            elif isinstance(effect, _Run):
-                reply = self._run(effect)
-            elif isinstance(effect, _Mark):
-                client._mark(effect.key, effect.state)
-                reply = None
-            else:
-                client._sleep(effect.seconds)
-                reply = None
 
-    def _run(self, effect: _Run) -> _Result:
-        client = self._client
-        try:
-            if effect.stored.method is not None:
-                return client._resume(effect.stored)
-            step = StepClient(client.send, effect.operation, client.http)
-            response: httpx.Response = effect.call(step, *effect.args)
-            return response
-        except OperationError as exc:
-            return exc
+        def step_client(operation: Operation) -> SyncStepClient:
+            return StepClient(client.send, operation, client.http)
+
+        return client.perform(_saga(self._plan(client.protocol, step_client)))

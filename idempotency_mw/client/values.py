@@ -11,6 +11,7 @@ from typing import Any, TypedDict
 
 import httpx
 
+from idempotency_mw._backoff import Backoff
 from idempotency_mw.exceptions import ConfigurationError
 
 #: Response headers a journal does not keep: credentials, and framing that no longer applies
@@ -154,8 +155,9 @@ class RequestParts(TypedDict, total=False):
 class RetryPolicy:
     """How one operation is retried.
 
-    Waits are "full jitter": uniform in ``[0, min(backoff_cap, backoff_base * 2**(n-1))]``
-    after the n-th attempt, unless the response says ``Retry-After: <seconds>``. ``deadline``
+    Waits are "full jitter" (the package's one backoff): uniform up to
+    ``min(backoff_cap, backoff_base * 2**(n-1))`` after the n-th attempt, unless the response
+    says how long to wait (``retry-after-ms``, or ``Retry-After: <seconds>``). ``deadline``
     bounds the whole operation (seconds): no wait or attempt timeout reaches past it, and a
     ``Retry-After`` that does ends the operation with :class:`OutcomeUnknown` at once.
     """
@@ -179,8 +181,9 @@ class RetryPolicy:
 
     def backoff(self, attempt: int, rng: random.Random, *, limit: float = math.inf) -> float:
         """The wait after the ``attempt``-th attempt (1-based), at most ``limit``."""
-        ceiling = min(self.backoff_cap, self.backoff_base * 2.0 ** min(attempt - 1, 64), limit)
-        return rng.uniform(0.0, max(ceiling, 0.0))
+        return Backoff(self.backoff_base, self.backoff_cap).delay(
+            attempt - 1, rng.random, limit=limit
+        )
 
     def timeout(self, remaining: float) -> httpx.Timeout:
         """The timeouts of one attempt, none longer than the ``remaining`` time."""

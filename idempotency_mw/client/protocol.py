@@ -1,9 +1,9 @@
-"""The retry protocol, written once and free of I/O.
+"""The client's protocol: keys, retries, leases, confirmation and journaling, free of I/O.
 
-Each operation is a generator that yields the I/O it needs (send a request, sleep, read or
-write the journal, take the operation's lease, ask a probe) and receives its result;
-:class:`~idempotency_mw.client.IdempotentClient` and
-:class:`~idempotency_mw.client.SyncIdempotentClient` only perform those steps.
+Every operation is a generator that yields the effects below and receives their results, as
+h11 does for HTTP. One async and one sync interpreter (:mod:`idempotency_mw.client._drive`)
+perform them, for the clients and the sagas alike; a generator of your own that yields these
+effects runs on :meth:`IdempotentClient.perform` just the same.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TypeAlias, TypedDict, TypeVar
+from typing import Any, TypeAlias, TypedDict, TypeVar, cast
 
 import httpx
 
-from idempotency_mw.client._renewal import Renewal
 from idempotency_mw.client.classify import (
     COMMITTED_WITHOUT_RESPONSE,
     Verdict,
@@ -33,6 +32,7 @@ from idempotency_mw.client.classify import (
 )
 from idempotency_mw.client.errors import (
     CommittedWithoutResponse,
+    IdempotencyCredentialMismatch,
     IdempotencyKeyMismatch,
     NeedsConfirmation,
     NotSent,
@@ -40,7 +40,7 @@ from idempotency_mw.client.errors import (
     OutcomeUnknown,
     ResponseNotReplayable,
 )
-from idempotency_mw.client.journals import Journal, needing_attention, open_journal
+from idempotency_mw.client.events import ClientEvent, ClientEventHook
 from idempotency_mw.client.values import (
     MAYBE_DELIVERED,
     JournalEntry,
@@ -49,7 +49,8 @@ from idempotency_mw.client.values import (
     RequestParts,
     RetryPolicy,
 )
-from idempotency_mw.exceptions import ConfigurationError, describe
+from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.metrics import EventHook, guard
 
 logger = logging.getLogger("idempotency_mw.client")
 
@@ -79,13 +80,13 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-# --- The steps a driver performs --------------------------------------------------------------
+# --- The effects, and what each one's result is -----------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Send ``request``; renew the lease on ``lease`` (a key) while it is in flight.
-    Reply: the response (body read) or the exception."""
+    """Send ``request``, renewing the lease on ``lease`` (a key) while it is in flight.
+    Result: the response (body read) or the exception."""
 
     request: httpx.Request
     lease: str
@@ -93,72 +94,113 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Sleep:
-    """Wait ``seconds``. Reply: None."""
+    """Wait ``seconds``. Result: None."""
 
     seconds: float
 
 
 @dataclass(frozen=True, slots=True)
+class Add:
+    """Journal the new ``entry``, or find the one of its name and ref. Result: the entry held."""
+
+    entry: JournalEntry
+
+
+@dataclass(frozen=True, slots=True)
 class Save:
-    """Journal ``entry``. Reply: None."""
+    """Journal ``entry`` over the one of its key. Result: None."""
 
     entry: JournalEntry
 
 
 @dataclass(frozen=True, slots=True)
 class Get:
-    """Read the entry with ``key``. Reply: the entry or None."""
+    """Read the entry with ``key``. Result: the entry or None."""
 
     key: str
 
 
 @dataclass(frozen=True, slots=True)
+class Unsettled:
+    """Read the entries neither confirmed nor failed, oldest first. Result: their list."""
+
+
+@dataclass(frozen=True, slots=True)
 class Acquire:
-    """Take or renew the lease on ``key`` (and release it when the operation ends).
-    Reply: whether it is held."""
+    """Take or renew the lease on ``key``. Result: whether it is held. The interpreter
+    releases a lease it holds on :class:`Release` or, at the latest, when the run ends."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Release the lease on ``key``, if held. Result: None."""
 
     key: str
 
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """Look ``entry``'s effect up with the probe of its name. Reply: the response found, None
-    when not found, or the exception the probe raised."""
+    """Look ``entry``'s effect up with the probe of its name. Result: the response found,
+    None when not found, or the exception the probe raised."""
 
     entry: JournalEntry
 
 
-Step: TypeAlias = Send | Sleep | Save | Get | Acquire | Probe
-Reply: TypeAlias = httpx.Response | Exception | JournalEntry | bool | None
-Steps: TypeAlias = Generator[Step, Reply, T]
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Call ``function(*args)`` (awaited by the async interpreter): the caller's own code, such
+    as a saga step, that sends through the client. Result: its value, or the
+    :class:`OperationError` it raised."""
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...] = ()
 
 
-def _get(key: str) -> Steps[JournalEntry | None]:
-    reply = yield Get(key)
-    assert reply is None or isinstance(reply, JournalEntry)
-    return reply
+Effect: TypeAlias = Send | Sleep | Add | Save | Get | Unsettled | Acquire | Release | Probe | Call
+Steps: TypeAlias = Generator[Effect, Any, T]
 
 
-def _acquire(key: str) -> Steps[bool]:
-    reply = yield Acquire(key)
-    assert isinstance(reply, bool)
-    return reply
+def _checked(result: Any, kind: type[T] | tuple[type, ...]) -> T:
+    assert isinstance(result, kind), result
+    return cast(T, result)
 
 
-def _attempt(request: httpx.Request, key: str) -> Steps[httpx.Response | Exception]:
-    reply = yield Send(request, key)
-    assert isinstance(reply, httpx.Response | Exception)
-    return reply
+def add(entry: JournalEntry) -> Steps[JournalEntry]:
+    """The entry held for ``entry`` once journaled (see :class:`Add`)."""
+    return _checked((yield Add(entry)), JournalEntry)
 
 
-def _probe(entry: JournalEntry) -> Steps[httpx.Response | Exception | None]:
-    reply = yield Probe(entry)
-    assert reply is None or isinstance(reply, httpx.Response | Exception)
-    return reply
+def get(key: str) -> Steps[JournalEntry | None]:
+    """The journaled entry with ``key``, if any."""
+    result = yield Get(key)
+    return None if result is None else _checked(result, JournalEntry)
 
 
-class CoreOptions(TypedDict, total=False):
-    """The options both clients take and hand to :class:`Core` unchanged."""
+def unsettled() -> Steps[list[JournalEntry]]:
+    """The journal's unsettled entries, oldest first."""
+    return _checked((yield Unsettled()), list)
+
+
+def acquire(key: str) -> Steps[bool]:
+    """Whether the lease on ``key`` is held now."""
+    return _checked((yield Acquire(key)), bool)
+
+
+def send(request: httpx.Request, lease: str) -> Steps[httpx.Response | Exception]:
+    """One attempt's response or exception."""
+    return _checked((yield Send(request, lease)), (httpx.Response, Exception))
+
+
+def probe(entry: JournalEntry) -> Steps[httpx.Response | Exception | None]:
+    """What ``entry``'s probe found (see :class:`Probe`)."""
+    result = yield Probe(entry)
+    return None if result is None else _checked(result, (httpx.Response, Exception))
+
+
+class ProtocolOptions(TypedDict, total=False):
+    """The options both clients take and hand to :class:`Protocol` unchanged."""
 
     policy: RetryPolicy | None
     header_name: str
@@ -168,18 +210,21 @@ class CoreOptions(TypedDict, total=False):
     retention: timedelta
     keyless: bool
     lease: timedelta
+    on_event: ClientEventHook | None
 
 
-class Core:
-    """Everything the two clients share: keys, request encoding, classification, retries,
-    leases and confirmation."""
+class Protocol:
+    """Keys, request encoding, classification, retries, leases and confirmation: what the
+    two clients share, with their I/O left to the interpreter that runs the steps.
+
+    ``build_request`` is the httpx client's (pure: it only merges the client's base URL and
+    headers); ``probed`` names the operations that have a confirmation probe.
+    """
 
     def __init__(
         self,
-        http: httpx.Client | httpx.AsyncClient,
+        build_request: Callable[..., httpx.Request],
         *,
-        owns_http: bool,
-        journal: Journal | str | os.PathLike[str],
         clock: Callable[[], float],
         probed: frozenset[str],
         policy: RetryPolicy | None = None,
@@ -190,6 +235,7 @@ class Core:
         retention: timedelta = DEFAULT_RETENTION,
         keyless: bool = False,
         lease: timedelta = DEFAULT_LEASE,
+        on_event: ClientEventHook | None = None,
     ) -> None:
         if key_prefix and not KEY_PART.fullmatch(key_prefix):
             raise ConfigurationError(f"key_prefix must match {KEY_PART.pattern}")
@@ -202,10 +248,7 @@ class Core:
             raise ConfigurationError("retention must be positive")
         if lease <= timedelta(0):
             raise ConfigurationError("lease must be positive")
-        self.http = http
-        self.owns_http = owns_http
-        self.owns_journal = not isinstance(journal, Journal)
-        self.journal: Journal = journal if isinstance(journal, Journal) else open_journal(journal)
+        self._build = build_request
         self.policy = policy or RetryPolicy()
         self.header_name = header_name
         self.key_prefix = key_prefix
@@ -215,61 +258,17 @@ class Core:
         self.probed = probed
         self.retention = retention.total_seconds()
         self.keyless = keyless
+        #: How long a lease lasts, in seconds (renewed every third of it while sending).
         self.lease = lease.total_seconds()
         #: Who holds this client's leases: unique per client, at most 64 characters.
         self.holder = f"{os.getpid()}-{secrets.token_hex(8)}"
+        # The hook shares the server's guard: a broken hook must never fail an operation.
+        self._on_event = (
+            None if on_event is None else cast(ClientEventHook, guard(cast(EventHook, on_event)))
+        )
         self._sequence = itertools.count(1)
 
-    # --- Blocking helpers both drivers call (the async one in a worker thread) --------------
-
-    def take_lease(self, key: str, held: set[str]) -> bool:
-        """Take or renew the lease on ``key``; remember it in ``held`` to release it later."""
-        taken = self.journal.acquire(key, self.holder, self.lease)
-        if taken:
-            held.add(key)
-        return taken
-
-    def renewal(self, key: str) -> Renewal:
-        """Renew the lease on ``key`` while a request is in flight, until stopped."""
-        return Renewal(
-            self.journal,
-            key,
-            holder=self.holder,
-            seconds=self.lease,
-            every=self.lease / 3,
-            name=key_digest(key),
-        )
-
-    def release(self, held: set[str]) -> None:
-        """Release the leases in ``held``; one that cannot be released lapses by itself."""
-        for key in held:
-            try:
-                self.journal.release(key, self.holder)
-            except Exception as exc:
-                logger.warning(
-                    "releasing the lease on %s failed: %s", key_digest(key), describe(exc)
-                )
-
-    def mark(self, key: str, state: OperationState) -> None:
-        """Journal ``state`` for the entry ``key`` (a saga's verdict on it)."""
-        entry = self.journal.get(key)
-        if entry is not None:
-            self.journal.save(replace(entry, state=state))
-
-    def resendable(self) -> list[JournalEntry]:
-        """The unsettled entries reconcile() settles: those with a request, except the ones a
-        saga handed to a person."""
-        return [
-            entry
-            for entry in self.journal.unsettled()
-            if entry.method is not None and entry.state is not OperationState.NEEDS_INTERVENTION
-        ]
-
-    def attention(self) -> list[JournalEntry]:
-        """Entries a person has to look at."""
-        return needing_attention(self.journal)
-
-    # --- Keys and requests -------------------------------------------------------------------
+    # --- Operations and the journal ----------------------------------------------------------
 
     def new_entry(self, name: str, ref: str | None) -> JournalEntry:
         """A pending entry for a new operation, with a fresh key."""
@@ -277,20 +276,53 @@ class Core:
         key = f"{self.session}:{name}:{next(self._sequence):06d}:{secrets.token_hex(8)}"
         return JournalEntry(key=_checked_key(key), name=name, ref=ref, state=OperationState.PENDING)
 
-    def derived_entry(self, name: str, ref: str) -> JournalEntry:
-        """A pending entry whose key follows from ``name`` and ``ref`` alone, so that any
-        process that runs the same saga again arrives at it."""
+    def operation(self, name: str, ref: str | None) -> Steps[Operation]:
+        """Journal a new operation with a fresh key; with ``ref``, the journaled operation of
+        that name and ref (with its key) if there is one."""
+        stored = yield from add(self.new_entry(name, ref))
+        return stored.operation
+
+    def derived(self, name: str, ref: str) -> Steps[JournalEntry]:
+        """The journaled entry of the operation ``name`` whose key follows from ``name`` and
+        ``ref`` alone, so that any process that runs the same saga again arrives at it."""
         check_name(name)
         prefix = f"{self.key_prefix}-saga" if self.key_prefix else "saga"
         digest = hashlib.sha256(ref.encode()).hexdigest()[:32]
         key = _checked_key(f"{prefix}:{name}:{digest}")
-        return JournalEntry(key=key, name=name, ref=ref, state=OperationState.PENDING)
+        return (yield from add(JournalEntry(key, name, ref, OperationState.PENDING)))
+
+    def mark(self, key: str, state: OperationState) -> Steps[None]:
+        """Journal ``state`` for the entry ``key`` (a saga's verdict on it)."""
+        entry = yield from get(key)
+        if entry is not None:
+            yield from _Track(self, entry).save(replace(entry, state=state))
+
+    def record(self, operation: Operation, state: OperationState) -> Steps[None]:
+        """Journal the outcome (``confirmed`` or ``failed``) of an operation sent by other
+        means under its key, so that the journal does not keep it pending."""
+        if not state.settled:
+            raise ConfigurationError(f"an outcome is confirmed or failed, not {state.value}")
+        yield from self.mark(operation.key, state)
+
+    def attention(self) -> Steps[list[JournalEntry]]:
+        """Entries a person has to look at: ``needs_confirmation`` or ``needs_intervention``."""
+        entries = yield from unsettled()
+        return [entry for entry in entries if entry.state.needs_attention]
+
+    def reconcile(self) -> Steps[list[JournalEntry]]:
+        """Settle every unsettled entry with a request, except the ones a saga handed to a
+        person; their entries afterwards."""
+        settled = []
+        for entry in (yield from unsettled()):
+            if entry.method is not None and entry.state is not OperationState.NEEDS_INTERVENTION:
+                settled.append((yield from self.settle(entry)))
+        return settled
 
     def prepare(
         self, operation: Operation, method: str, url: str, parts: RequestParts, keyless: bool
     ) -> JournalEntry:
         """The pending entry of ``operation`` with its request encoded once, for every attempt."""
-        request = self.http.build_request(
+        request = self._build(
             method,
             url,
             params=parts.get("params"),
@@ -319,34 +351,54 @@ class Core:
 
     # --- One operation -----------------------------------------------------------------------
 
-    def exchange(
-        self, request: JournalEntry, box: list[JournalEntry] | None = None
-    ) -> Steps[httpx.Response]:
+    def exchange(self, request: JournalEntry) -> Steps[httpx.Response]:
         """Settle ``request`` (a pending entry with its request): its response, once known.
 
         Under the operation's lease (or after waiting for another holder's outcome): a
         journaled final response is returned without sending; an attempt that may have
         reached the server is confirmed by probe before re-sending when the server forgot the
         key or never knew keys; otherwise the request is sent until its outcome is known or
-        attempts or time run out. ``box``, when given, holds the latest journaled entry.
+        attempts or time run out. The lease is released when it ends.
         """
+        return (
+            yield from self._leased(request.key, self._exchange(request, _Track(self, request)))
+        )
+
+    def settle(self, entry: JournalEntry) -> Steps[JournalEntry]:
+        """Re-send (or confirm) an unsettled entry; its journaled entry afterwards, whatever
+        the outcome."""
+        track = _Track(self, entry)
+        try:
+            yield from self._leased(entry.key, self._exchange(entry, track))
+        except RECONCILE_ERRORS as exc:
+            # The error's message holds the key: name only its kind.
+            logger.warning(
+                "reconcile could not settle %s: %s", key_digest(entry.key), type(exc).__name__
+            )
+        return track.entry
+
+    def _leased(self, key: str, steps: Steps[T]) -> Steps[T]:
+        # Not in a finally: a generator closed mid-step cannot yield; the interpreter then
+        # releases what it holds when the run ends.
+        try:
+            result = yield from steps
+        except Exception:
+            yield Release(key)
+            raise
+        yield Release(key)
+        return result
+
+    def _exchange(self, request: JournalEntry, track: _Track) -> Steps[httpx.Response]:
         if request.method is None or request.url is None:
             raise ConfigurationError(f"operation {request.name!r} has no request to send")
         deadline = self.clock() + self.policy.deadline
-
-        def journaled(new: JournalEntry) -> Save:
-            if box is not None:
-                box[0] = new
-            return Save(new)
-
         stored = yield from self._take(request, deadline)
         attempt = 0
         last: httpx.Response | Exception | None = None
         probes = 0  # probes that failed
         at_once = True  # the first retry after a request that never left goes at once
         while True:
-            if box is not None:
-                box[0] = stored
+            track.entry = stored
             if _holds_outcome(stored):
                 if not stored.same_request(request):
                     raise IdempotencyKeyMismatch(
@@ -369,12 +421,12 @@ class Core:
                 if maybe and self._must_confirm(entry):
                     if entry.name not in self.probed:
                         entry = replace(entry, state=OperationState.NEEDS_CONFIRMATION)
-                        yield journaled(entry)
+                        yield from track.save(entry)
                         raise NeedsConfirmation(entry.key, attempt, last, why=self._why(entry))
-                    found = yield from _probe(entry)
+                    found = yield from probe(entry)
                     if isinstance(found, httpx.Response):
                         entry = entry.with_response(OperationState.CONFIRMED, found)
-                        yield journaled(entry)
+                        yield from track.save(entry)
                         return found
                     if isinstance(found, Exception):
                         logger.warning(
@@ -392,67 +444,61 @@ class Core:
                     entry = replace(entry, first_sent_at=None)
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    raise (yield from self._give_up(entry, attempt, last, maybe, journaled))
-                if not (yield from _acquire(entry.key)):
+                    raise (yield from self._give_up(entry, attempt, last, maybe, track))
+                if not (yield from acquire(entry.key)):
                     logger.warning("lease on %s lost to another caller", key_digest(entry.key))
                     break  # wait for the new holder, then look at the journal again
                 attempt += 1
                 if not maybe or entry.first_sent_at is None:  # from now on it may have arrived
                     sent_at = entry.first_sent_at or time.time()
                     entry = replace(entry, state=OperationState.SENT, first_sent_at=sent_at)
-                    yield journaled(entry)
-                last = yield from _attempt(self._request(entry, remaining), entry.key)
+                    yield from track.save(entry)
+                last = yield from send(self._request(entry, remaining), entry.key)
                 verdict = classify(last)
                 if verdict is Verdict.RAISE:
                     assert isinstance(last, Exception)
                     raise last
+                if verdict is Verdict.CREDENTIAL_MISMATCH:
+                    assert isinstance(last, httpx.Response)
+                    # This attempt did not run; an earlier one, under other credentials, may.
+                    state = OperationState.NEEDS_INTERVENTION if maybe else OperationState.FAILED
+                    entry = entry.with_response(state, last)
+                    yield from track.save(entry)
+                    raise _credential_mismatch(entry.key, last)
                 if isinstance(last, httpx.Response) and verdict in _STATE_AFTER:
                     entry = entry.with_response(_STATE_AFTER[verdict], last)
-                    yield journaled(entry)
+                    yield from track.save(entry)
                     return _conclude(entry)
                 status = last.status_code if isinstance(last, httpx.Response) else entry.status
                 if verdict is Verdict.UNSENDABLE:
                     assert isinstance(last, Exception)
                     state = OperationState.UNKNOWN if maybe else OperationState.FAILED
-                    yield journaled(replace(entry, state=state))
+                    yield from track.save(replace(entry, state=state))
                     raise last
                 immediate = verdict is Verdict.NOT_SENT and at_once
                 at_once = verdict is not Verdict.NOT_SENT
                 maybe = maybe or verdict is Verdict.RETRY
                 state = OperationState.UNKNOWN if maybe else OperationState.PENDING
                 entry = replace(entry, state=state, status=status)
-                yield journaled(entry)
+                yield from track.save(entry)
                 if maybe and self._must_confirm(entry) and entry.name not in self.probed:
                     continue  # nothing to wait for: a person has to confirm it
                 delay = self._delay(last, attempt, deadline, immediate=immediate)
                 if delay is None:
-                    raise (yield from self._give_up(entry, attempt, last, maybe, journaled))
+                    raise (yield from self._give_up(entry, attempt, last, maybe, track))
                 logger.info(
                     "retrying %s in %.2fs after %s", key_digest(entry.key), delay, _describe(last)
                 )
                 yield Sleep(delay)
             stored = yield from self._take(request, deadline)
 
-    def settle(self, entry: JournalEntry) -> Steps[JournalEntry]:
-        """Re-send (or confirm) an unsettled entry; its journaled entry afterwards, whatever
-        the outcome."""
-        box = [entry]
-        try:
-            yield from self.exchange(entry, box)
-        except RECONCILE_ERRORS as exc:
-            # The error's message holds the key: name only its kind.
-            logger.warning(
-                "reconcile could not settle %s: %s", key_digest(entry.key), type(exc).__name__
-            )
-        return box[0]
-
     def _take(self, request: JournalEntry, deadline: float) -> Steps[JournalEntry]:
         """Hold the lease on ``request``'s operation, or wait until its holder settles it or
         lets go; the journaled entry (settled, when another holder settled it)."""
         waited = False
         while True:
-            held = yield from _acquire(request.key)
-            stored = yield from _get(request.key)
+            held = yield from acquire(request.key)
+            stored = yield from get(request.key)
             if stored is None:  # an Operation journaled elsewhere, or not at all: journal it
                 yield Save(request)
                 continue
@@ -465,6 +511,7 @@ class Core:
             if not waited:
                 logger.info("waiting for another caller's outcome of %s", key_digest(request.key))
                 waited = True
+            # A poll at a steady pace, not a backoff: the holder's settling is what ends it.
             yield Sleep(min(self.lease / 4, 1.0, max(deadline - self.clock(), 0.0)))
 
     def _give_up(
@@ -473,7 +520,7 @@ class Core:
         attempts: int,
         last: httpx.Response | Exception | None,
         maybe: bool,
-        journaled: Callable[[JournalEntry], Save],
+        track: _Track,
     ) -> Steps[OperationError]:
         """The error to end with once attempts or time ran out (journaled ``failed`` when no
         attempt left the caller; ``unknown`` is journaled already otherwise)."""
@@ -481,7 +528,7 @@ class Core:
         if maybe:
             error = OutcomeUnknown(entry.key, attempts, last)
         else:
-            yield journaled(replace(entry, state=OperationState.FAILED))
+            yield from track.save(replace(entry, state=OperationState.FAILED))
             error = NotSent(f"no attempt left the caller in {attempts} attempt(s)", entry.key)
         error.__cause__ = last if isinstance(last, Exception) else None
         return error
@@ -502,7 +549,7 @@ class Core:
     def _request(self, entry: JournalEntry, remaining: float) -> httpx.Request:
         assert entry.method is not None
         assert entry.url is not None
-        return self.http.build_request(
+        return self._build(
             entry.method,
             entry.url,
             content=entry.body,
@@ -529,6 +576,23 @@ class Core:
             return hint if hint < remaining else None
         return self.policy.backoff(attempt, self.rng, limit=remaining)
 
+    def _moved(self, previous: OperationState, entry: JournalEntry) -> None:
+        if self._on_event is not None and entry.state is not previous:
+            self._on_event(ClientEvent(entry.state, previous, entry.name, key_digest(entry.key)))
+
+
+class _Track:
+    """The latest journaled entry of one operation; its saves report the state changes."""
+
+    def __init__(self, protocol: Protocol, entry: JournalEntry) -> None:
+        self._protocol = protocol
+        self.entry = entry
+
+    def save(self, new: JournalEntry) -> Steps[None]:
+        yield Save(new)
+        self._protocol._moved(self.entry.state, new)
+        self.entry = new
+
 
 def check_name(name: str) -> None:
     """Raise unless ``name`` can be part of a key."""
@@ -549,6 +613,12 @@ def _holds_outcome(entry: JournalEntry) -> bool:
     )
 
 
+def _credential_mismatch(key: str, response: httpx.Response) -> IdempotencyCredentialMismatch:
+    return IdempotencyCredentialMismatch(
+        "the key was used by a request sent with other credentials", key, response
+    )
+
+
 def _conclude(entry: JournalEntry) -> httpx.Response:
     """The settled ``entry``'s response, or the error it stands for."""
     response = entry.response
@@ -557,6 +627,8 @@ def _conclude(entry: JournalEntry) -> httpx.Response:
     verdict = classify(response)
     if verdict is Verdict.MISMATCH:
         raise IdempotencyKeyMismatch("key reused with a different request", entry.key, response)
+    if verdict is Verdict.CREDENTIAL_MISMATCH:
+        raise _credential_mismatch(entry.key, response)
     if verdict is Verdict.NOT_REPLAYABLE:
         if problem_type(response) == COMMITTED_WITHOUT_RESPONSE:
             raise CommittedWithoutResponse(

@@ -1,0 +1,221 @@
+"""MCP tool calls as operations: one journaled key per logical call, sent in ``params._meta``.
+
+A tool call is an operation like any other (same protocol, journal, retries, leases,
+confirmation and reconcile): :class:`ToolTransport` carries the client's ``POST
+/tools/<name>`` requests as ``tools/call`` over an MCP session, with the operation's key as
+``_meta["idempotencyKey"]``, so a call retried after a timeout, a dropped connection, on a new
+session or after a restart reaches the server under the key it was first sent with. Needs the
+``[mcp]`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from typing import Any, Protocol, Unpack
+
+import anyio
+import httpx
+from mcp.shared.exceptions import MCPError
+from mcp_types import CONNECTION_CLOSED, INTERNAL_ERROR, REQUEST_TIMEOUT, CallToolResult
+
+from idempotency_mw.client._closing import AClosedOnExit
+from idempotency_mw.client.async_client import AsyncProbe, IdempotentClient
+from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
+from idempotency_mw.client.protocol import ProtocolOptions
+from idempotency_mw.client.saga import AsyncStepClient
+from idempotency_mw.client.values import Operation
+from idempotency_mw.exceptions import ConfigurationError, describe
+
+#: Where the key goes in a ``tools/call`` request's ``_meta``.
+META_KEY = "idempotencyKey"
+#: The base URL of the requests :class:`ToolTransport` carries (never resolved).
+TOOLS_URL = "http://mcp.tools"
+
+# The session could not be used, whether or not the call had reached the server.
+_BROKEN = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError)
+
+
+class ToolSession(Protocol):
+    """What a call needs of an MCP session: ``mcp.ClientSession`` and ``mcp.client.Client``."""
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+        read_timeout_seconds: float | None = None,
+        progress_callback: Any = None,
+        *,
+        meta: Any = None,
+    ) -> CallToolResult: ...
+
+
+#: Opens a session for one attempt: an async context manager that yields it.
+Connect = Callable[[], AbstractAsyncContextManager[ToolSession]]
+
+
+def tool_path(name: str) -> str:
+    """The path of the request that calls the tool ``name``."""
+    return f"/tools/{name}"
+
+
+def tool_result(response: httpx.Response) -> CallToolResult:
+    """The tool's result carried by ``response`` (a tool's error is a result too)."""
+    return CallToolResult.model_validate(response.json())
+
+
+class ToolTransport(httpx.AsyncBaseTransport):
+    """Carries ``POST /tools/<name>`` (JSON arguments, the key in ``header_name``) as
+    ``tools/call`` over ``session`` (yours: it is never closed here) or, given ``connect``, a
+    session of each attempt's own, opened and closed within it, so that a broken connection is
+    replaced at the next attempt.
+
+    The answers read like HTTP, so that the client's rules apply unchanged: a result is 200,
+    a tool's error 422 (final: it ran and said no), a JSON-RPC error 400, or 500 for an
+    internal one (retried); a timeout is a read timeout and a broken session a protocol error
+    (either may have reached the server: retried under the same key); a session that cannot
+    be opened is a connect error (nothing was sent).
+    """
+
+    def __init__(
+        self,
+        session: ToolSession | None = None,
+        *,
+        connect: Connect | None = None,
+        header_name: str = "Idempotency-Key",
+    ) -> None:
+        if (session is None) == (connect is None):
+            raise ConfigurationError("give an MCP session, or connect= to open one per attempt")
+        self._session = session
+        self._connect = connect
+        self._header = header_name
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._session is not None:
+            outcome = await self._call(self._session, request)
+        else:
+            assert self._connect is not None
+            # The outcome is raised once the session is closed: raised inside, it would come
+            # out of the session's task group wrapped in an exception group.
+            async with AsyncExitStack() as stack:
+                try:
+                    session = await stack.enter_async_context(self._connect())
+                except Exception as exc:
+                    raise httpx.ConnectError(
+                        f"no MCP session: {describe(exc)}", request=request
+                    ) from exc
+                outcome = await self._call(session, request)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def _call(
+        self, session: ToolSession, request: httpx.Request
+    ) -> httpx.Response | httpx.TransportError:
+        name = request.url.path.removeprefix("/tools/")
+        arguments = json.loads(await request.aread() or b"{}")
+        key = request.headers.get(self._header)
+        timeout = request.extensions.get("timeout", {}).get("read")
+        try:
+            result = await session.call_tool(
+                name,
+                arguments or None,
+                read_timeout_seconds=timeout,
+                meta=None if key is None else {META_KEY: key},
+            )
+        except MCPError as exc:
+            lost = f"tools/call {name}: {exc}"
+            if exc.code == REQUEST_TIMEOUT:
+                return _caused(httpx.ReadTimeout(lost, request=request), exc)
+            if exc.code == CONNECTION_CLOSED:
+                return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
+            status = 500 if exc.code == INTERNAL_ERROR else 400
+            body = {"error": exc.error.model_dump(mode="json", exclude_none=True)}
+            return httpx.Response(status, json=body, request=request)
+        except _BROKEN as exc:
+            lost = f"tools/call {name}: {describe(exc)}"
+            return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
+        body = result.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return httpx.Response(422 if result.is_error else 200, json=body, request=request)
+
+
+def _caused(error: httpx.TransportError, cause: BaseException) -> httpx.TransportError:
+    error.__cause__ = cause
+    return error
+
+
+class IdempotentToolCaller(AClosedOnExit):
+    """Calls MCP tools with one journaled key per logical call, in ``params._meta``.
+
+    ``session`` is an open ``mcp.ClientSession`` or ``mcp.client.Client`` (yours to close);
+    or ``connect`` opens a session for each attempt (``lambda: Client(url)``, or a context
+    manager of your own that yields a ``ClientSession``), so a broken one is replaced.
+    :meth:`call_tool` with ``ref`` names a logical call: the same tool and ``ref`` (in this
+    process, or another after a restart) is the same key, and a settled call is answered from
+    the journal. Options are :class:`IdempotentClient`'s; ``client`` is the client underneath,
+    for :class:`Saga` steps (see :class:`ToolStep`), ``reconcile()`` and ``attention()``.
+    """
+
+    def __init__(
+        self,
+        session: ToolSession | None = None,
+        *,
+        connect: Connect | None = None,
+        journal: Journal | str | os.PathLike[str] = DEFAULT_JOURNAL_PATH,
+        confirm: Mapping[str, AsyncProbe] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        **options: Unpack[ProtocolOptions],
+    ) -> None:
+        header = options.get("header_name", "Idempotency-Key")
+        transport = ToolTransport(session, connect=connect, header_name=header)
+        self.client = IdempotentClient(
+            http=httpx.AsyncClient(transport=transport, base_url=TOOLS_URL),
+            journal=journal,
+            confirm=confirm,
+            sleep=sleep,
+            clock=clock,
+            **options,
+        )
+
+    async def operation(self, tool: str, *, ref: str | None = None) -> Operation:
+        """Decide a call of ``tool`` (see :meth:`IdempotentClient.operation`)."""
+        return await self.client.operation(tool, ref=ref)
+
+    async def send(
+        self, operation: Operation, arguments: dict[str, Any] | None = None
+    ) -> CallToolResult:
+        """Call the tool of ``operation`` (its name) with ``arguments`` under its key, retrying
+        until its outcome is known; raises what :meth:`IdempotentClient.send` raises."""
+        return tool_result(
+            await self.client.send(operation, "POST", tool_path(operation.name), json=arguments)
+        )
+
+    async def call_tool(
+        self, tool: str, arguments: dict[str, Any] | None = None, *, ref: str | None = None
+    ) -> CallToolResult:
+        """Decide a call of ``tool`` (resumed by ``ref``) and send it."""
+        return await self.send(await self.operation(tool, ref=ref), arguments)
+
+    async def aclose(self) -> None:
+        """Close the journal, if this caller opened it."""
+        await self.client.http.aclose()
+        await self.client.aclose()
+
+
+class ToolStep:
+    """A :class:`Saga` step or compensation that calls ``tool`` with ``arguments`` under the
+    step's key; the saga runs on :attr:`IdempotentToolCaller.client`. :func:`tool_result`
+    reads the step's response."""
+
+    def __init__(self, tool: str, arguments: dict[str, Any] | None = None) -> None:
+        self.tool = tool
+        self.arguments = arguments
+
+    async def __call__(
+        self, step: AsyncStepClient, response: httpx.Response | None = None
+    ) -> httpx.Response:
+        return await step.post(tool_path(self.tool), json=self.arguments)
