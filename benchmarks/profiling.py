@@ -720,7 +720,7 @@ async def pg_costs(n: int, add: Callable[..., None]) -> list[Cost]:
         )
         await pool.close()
     try:
-        from idempotency_mw.stores.sql.statement_pool import StatementPool
+        from idempotency_mw.stores.sql.drivers.statement_pool import StatementPool
     except ImportError:  # a version of the library from before its own pool
         pass
     else:

@@ -14,7 +14,7 @@ import pytest
 
 from idempotency_mw import ConfigurationError, SQLStore, StoreError
 from idempotency_mw.records import StoredResponse
-from idempotency_mw.stores.sql import drivers
+from idempotency_mw.stores.sql.drivers import sqlite as sqlite_driver
 from tests.conftest import POSTGRESQL_URL, fresh_sql_store
 
 pytestmark = pytest.mark.anyio
@@ -139,7 +139,7 @@ async def test_the_wal_restarts_under_steady_load(
 ) -> None:
     # Checkpoints run in a thread. Were the event loop to go on committing meanwhile, no
     # checkpoint would ever let the WAL restart, and it would keep growing: 5 MB here.
-    monkeypatch.setattr(drivers, "_CHECKPOINT_EVERY", 20)
+    monkeypatch.setattr(sqlite_driver, "CHECKPOINT_EVERY", 20)
     response = StoredResponse(201, [(b"content-type", b"application/json")], b"{}" * 100)
     store = SQLStore(sqlite_url)
 
