@@ -29,6 +29,7 @@ _RESTART_WAIT = 0.1
 #: Without a deadline in sight, the longest wait for a SQLite lock.
 _LONGEST_BUSY_WAIT = 30.0
 _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+WalState = Literal["idle", "checkpointing", "restarting"]
 
 
 class _Worker:
@@ -84,7 +85,8 @@ class SQLiteDriver:
     ``synchronous=NORMAL`` a commit only appends to the WAL, and runs on the loop too.
     Connections are opened in the thread, and a WAL checkpoint runs there every
     :data:`CHECKPOINT_EVERY` changes, statements waiting for it (a few milliseconds) so that
-    the WAL restarts and stays small. ``wal`` switches the file to WAL; otherwise its journal
+    the WAL restarts and stays small; the first commit after it, which syncs the restarted
+    WAL, runs there too. ``wal`` switches the file to WAL; otherwise its journal
     mode is left as it is. ``synchronous`` is the connections' sync level (``FULL``: a commit
     survives a power cut).
     """
@@ -103,7 +105,9 @@ class SQLiteDriver:
         self._loop_connection: sqlite3.Connection | None = None
         self._worker_of_now: _Worker | None = None
         self._changes = 0
-        self._checkpointing = False
+        #: "checkpointing" from a checkpoint's start; "restarting" from its end until the next
+        #: commit ran (in the thread): in WAL even with NORMAL, that commit syncs the WAL.
+        self._wal_state: WalState = "idle"
 
     @property
     def _worker(self) -> _Worker:
@@ -144,7 +148,7 @@ class SQLiteDriver:
         compiled = self._compile(statement)
         args = compiled.args(params)
         result: tuple[Rows, int] | None = None
-        if not self._checkpointing and not (compiled.writes and self._writes_wait_for_disk):
+        if self._wal_state == "idle" and not (compiled.writes and self._writes_wait_for_disk):
             try:
                 cursor = (await self._on_loop(deadline)).execute(compiled.sql, args)
                 result = cursor.fetchall(), cursor.rowcount
@@ -156,7 +160,10 @@ class SQLiteDriver:
 
             def run(seconds: float) -> tuple[Rows, int]:
                 cursor = worker.execute(compiled.sql, args, seconds)
-                return cursor.fetchall(), cursor.rowcount
+                ran = cursor.fetchall(), cursor.rowcount
+                if compiled.writes and self._wal_state == "restarting":
+                    self._wal_state = "idle"
+                return ran
 
             result = await worker.run(run, deadline)
         if compiled.writes:
@@ -176,9 +183,9 @@ class SQLiteDriver:
     def _changed(self) -> None:
         self._changes += 1
         # One checkpoint at a time: on a slow disk they would queue up behind each other.
-        if self._changes >= CHECKPOINT_EVERY and not self._checkpointing:
+        if self._changes >= CHECKPOINT_EVERY and self._wal_state == "idle":
             self._changes = 0
-            self._checkpointing = True
+            self._wal_state = "checkpointing"
             worker = self._worker
             worker.submit(lambda: self._checkpoint(worker))
 
@@ -192,7 +199,7 @@ class SQLiteDriver:
             with contextlib.suppress(sqlite3.Error):
                 worker.execute("PRAGMA wal_checkpoint(RESTART)", (), _RESTART_WAIT).fetchall()
         finally:
-            self._checkpointing = False
+            self._wal_state = "restarting"
 
     async def run_sync(self, operation: Callable[[Connection], T], *, deadline: float) -> T:
         def run(seconds: float) -> T:
