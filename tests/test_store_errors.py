@@ -45,6 +45,31 @@ def test_a_store_without_its_extra_names_the_install_command(
     )
 
 
+@pytest.mark.parametrize(
+    ("url", "driver", "missing", "extra"),
+    [
+        ("postgresql://u@127.0.0.1/db", None, "asyncpg", "postgresql"),
+        ("postgresql://u@127.0.0.1/db", "sqlalchemy", "asyncpg", "postgresql"),
+        ("mysql://u@127.0.0.1/db", None, "asyncmy", "mysql"),
+        ("mariadb://u@127.0.0.1/db", "sqlalchemy", "asyncmy", "mysql"),
+    ],
+)
+def test_a_sql_store_without_its_driver_names_the_extra(
+    url: str, driver: str | None, missing: str, extra: str
+) -> None:
+    result = python(
+        f"import sys; sys.modules[{missing!r}] = None\n"
+        "from idempotency_mw import SQLStore\n"
+        f"SQLStore({url!r}, driver={driver!r})"
+    )
+    assert result.returncode == 1
+    backend = url.partition(":")[0]
+    assert (
+        f"ImportError: SQLStore on {backend} needs {missing}: "
+        f"pip install 'idempotency-mw[{extra}]'"
+    ) in result.stderr, result.stderr
+
+
 @pytest.fixture
 async def silent_port() -> AsyncIterator[int]:
     """A TCP port whose server accepts connections and never answers."""
