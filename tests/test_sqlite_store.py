@@ -211,3 +211,37 @@ async def test_first_requests_hold_the_event_loop_no_longer_than_on_redis(
     # does per request on SQLite (its reads, the hops to the thread) adds a few hundred
     # microseconds at most; the two fsyncs of a commit held on the loop add more than 1 ms.
     assert on_sqlite <= on_redis + 0.001
+
+
+async def test_closing_never_waits_for_the_worker_thread_on_the_event_loop(
+    sqlite_url: str,
+) -> None:
+    # Claims wait in the thread for a lock another connection holds, one queued before the
+    # close and one after it: the close must not hold the loop while the thread works.
+    store = SQLStore(sqlite_url, operation_timeout=1)
+    await store.claim("", "warm", "f", ttl=60, lease=60)
+    longest_stall = 0.0
+
+    async def tick() -> None:
+        nonlocal longest_stall
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(0.01)
+            longest_stall = max(longest_stall, time.monotonic() - before)
+
+    async def claim_fails(key: str) -> None:
+        with pytest.raises(StoreError):
+            await store.claim("", key, "f", ttl=60, lease=60)
+
+    with locked(sqlite_url, "IMMEDIATE"):
+        async with anyio.create_task_group() as group:
+            group.start_soon(tick)
+            group.start_soon(claim_fails, "before")
+            await anyio.sleep(0.05)
+            async with anyio.create_task_group() as closing:
+                closing.start_soon(store.aclose)
+                await anyio.sleep(0.6)  # the close still waits behind the first claim
+                closing.start_soon(claim_fails, "after")
+            group.cancel_scope.cancel()
+    await store.aclose()
+    assert longest_stall < 0.3

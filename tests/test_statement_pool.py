@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import threading
 import time
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
+from sqlalchemy import func, select
 
+from idempotency_mw.stores.sql.drivers import async_url
+from idempotency_mw.stores.sql.drivers.postgresql import AsyncpgDriver
 from idempotency_mw.stores.sql.drivers.statement_pool import StatementPool
 from tests.conftest import POSTGRESQL_URL, require_server
 
@@ -109,3 +114,28 @@ async def test_closing_the_pool_closes_idle_connections_and_those_in_use_when_do
     assert await live(observer, {last}) == set()
     with pytest.raises(ConnectionError):
         await pid(pool)
+
+
+async def test_closing_the_driver_waits_for_the_pool_it_left_in_another_running_loop() -> None:
+    require_server(POSTGRESQL_URL)
+    driver = AsyncpgDriver(async_url(POSTGRESQL_URL))
+    backend_pid = select(func.pg_backend_pid())
+    other = asyncio.new_event_loop()
+    thread = threading.Thread(target=other.run_forever)
+    thread.start()
+    try:
+        used = asyncio.run_coroutine_threadsafe(
+            driver.fetch(backend_pid, {}, deadline=math.inf), other
+        )
+        used.result(timeout=10)
+        left = [connection for connection, _ in driver._pool._idle]
+        assert left
+        # The other loop is busy for a while: its pool closes there only afterwards.
+        other.call_soon_threadsafe(time.sleep, 0.3)
+        await driver.fetch(backend_pid, {}, deadline=math.inf)  # a pool of this loop's own
+        await driver.aclose()
+        assert all(connection.is_closed() for connection in left)
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        thread.join()
+        other.close()

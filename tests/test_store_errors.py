@@ -65,8 +65,7 @@ def test_a_sql_store_without_its_driver_names_the_extra(
     assert result.returncode == 1
     backend = url.partition(":")[0]
     assert (
-        f"ImportError: SQLStore on {backend} needs {missing}: "
-        f"pip install 'idempotency-mw[{extra}]'"
+        f"ImportError: SQLStore on {backend} needs {missing}: pip install 'idempotency-mw[{extra}]'"
     ) in result.stderr, result.stderr
 
 
