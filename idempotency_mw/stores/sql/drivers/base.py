@@ -78,6 +78,9 @@ class CompileCache:
         self._dialect = dialect
         self._compiled: dict[int, tuple[Executable, Compiled]] = {}
 
+    def __len__(self) -> int:
+        return len(self._compiled)
+
     def __call__(self, statement: Executable) -> Compiled:
         # Keyed by identity: the store's statements are module-level and live forever; the
         # statement is kept in the entry so its id is never reused by another object.
