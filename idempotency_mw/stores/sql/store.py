@@ -48,7 +48,7 @@ class SQLStore(ClaimsWithToken):
     file to WAL journal mode, in which readers and a writer of several processes do not wait
     for each other, with ``synchronous=FULL``: a commit survives a power cut.
     ``sqlite_wal=False`` leaves the file's journal mode as it is;
-    ``sqlite_synchronous="NORMAL"`` makes commits about ten times cheaper, and a power cut can
+    ``sqlite_synchronous="NORMAL"`` makes commits much cheaper (no fsync each), and a power cut can
     then lose the latest ones (never corrupt the file).
 
     With ``settlement_notices=True``, on PostgreSQL, the store also offers a
