@@ -28,6 +28,8 @@ CHECKPOINT_EVERY = 250
 _RESTART_WAIT = 0.1
 #: Without a deadline in sight, the longest wait for a SQLite lock.
 _LONGEST_BUSY_WAIT = 30.0
+#: The granularity (seconds) of the waits for a lock: a wait is never longer than asked.
+_BUSY_STEP = 0.05
 _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 WalState = Literal["idle", "checkpointing", "restarting"]
 
@@ -39,6 +41,8 @@ class _Worker:
         self._connect = connect
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="idempotency-mw-sqlite")
         self._connection: sqlite3.Connection | None = None
+        #: The connection's busy timeout (ms), set again only when a call needs another.
+        self._busy_ms = -1
 
     async def run(self, operation: Callable[[float], T], deadline: float) -> T:
         """``operation(seconds left before deadline)`` in the thread."""
@@ -55,7 +59,10 @@ class _Worker:
         """In the thread: ``sql`` on its connection, waiting ``seconds`` at most for a lock."""
         if self._connection is None:
             self._connection = self._connect(seconds)
-        _busy_wait(self._connection, seconds)
+        milliseconds = _busy_milliseconds(seconds)
+        if milliseconds != self._busy_ms:
+            self._connection.execute(f"PRAGMA busy_timeout={milliseconds}")
+            self._busy_ms = milliseconds
         return self._connection.execute(sql, args)
 
     async def aclose(self, also: sqlite3.Connection | None) -> None:
@@ -224,5 +231,11 @@ class SQLiteDriver:
 
 def _busy_wait(connection: Any, seconds: float) -> None:
     """How long ``connection`` waits for another's lock before it fails (SQLITE_BUSY)."""
-    milliseconds = max(0, int(min(seconds, _LONGEST_BUSY_WAIT) * 1000))
-    connection.execute(f"PRAGMA busy_timeout={milliseconds}")
+    connection.execute(f"PRAGMA busy_timeout={_busy_milliseconds(seconds)}")
+
+
+def _busy_milliseconds(seconds: float) -> int:
+    """``seconds`` of waiting for a lock, rounded down to whole steps: successive calls with
+    about as much time left then need no new busy timeout."""
+    steps = int(min(seconds, _LONGEST_BUSY_WAIT) / _BUSY_STEP)
+    return max(0, steps) * int(_BUSY_STEP * 1000)
