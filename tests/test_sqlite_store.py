@@ -43,6 +43,19 @@ def locked(url: str, how: str) -> Iterator[sqlite3.Connection]:
             other.execute("ROLLBACK")
 
 
+class Stalls:
+    """The event loop's longest stall while :meth:`watch` runs (a 10 ms ticker's lateness)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+
+    async def watch(self) -> None:
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(0.01)
+            self.longest = max(self.longest, time.monotonic() - before)
+
+
 def records_in(url: str) -> int:
     with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as db:
         return int(db.execute("SELECT COUNT(*) FROM idempotency_records").fetchone()[0])
@@ -73,26 +86,19 @@ async def test_a_claim_that_timed_out_never_takes_the_key_later(sqlite_url: str)
 
 async def test_the_first_connection_never_blocks_the_event_loop(sqlite_url: str) -> None:
     store = SQLStore(sqlite_url, operation_timeout=1)
-    longest_stall = 0.0
-
-    async def tick() -> None:
-        nonlocal longest_stall
-        while True:
-            before = time.monotonic()
-            await anyio.sleep(0.01)
-            longest_stall = max(longest_stall, time.monotonic() - before)
+    stalls = Stalls()
 
     try:
         with locked(sqlite_url, "EXCLUSIVE"):
             async with anyio.create_task_group() as group:
-                group.start_soon(tick)
+                group.start_soon(stalls.watch)
                 await anyio.sleep(0.05)
                 with pytest.raises(StoreError):
                     await store.claim("", "k", "f", ttl=60, lease=60)
                 group.cancel_scope.cancel()
     finally:
         await store.aclose()
-    assert longest_stall < 0.3
+    assert stalls.longest < 0.3
 
 
 @pytest.mark.parametrize(
@@ -220,14 +226,7 @@ async def test_closing_never_waits_for_the_worker_thread_on_the_event_loop(
     # close and one after it: the close must not hold the loop while the thread works.
     store = SQLStore(sqlite_url, operation_timeout=1)
     await store.claim("", "warm", "f", ttl=60, lease=60)
-    longest_stall = 0.0
-
-    async def tick() -> None:
-        nonlocal longest_stall
-        while True:
-            before = time.monotonic()
-            await anyio.sleep(0.01)
-            longest_stall = max(longest_stall, time.monotonic() - before)
+    stalls = Stalls()
 
     async def claim_fails(key: str) -> None:
         with pytest.raises(StoreError):
@@ -235,7 +234,7 @@ async def test_closing_never_waits_for_the_worker_thread_on_the_event_loop(
 
     with locked(sqlite_url, "IMMEDIATE"):
         async with anyio.create_task_group() as group:
-            group.start_soon(tick)
+            group.start_soon(stalls.watch)
             group.start_soon(claim_fails, "before")
             await anyio.sleep(0.05)
             async with anyio.create_task_group() as closing:
@@ -244,4 +243,4 @@ async def test_closing_never_waits_for_the_worker_thread_on_the_event_loop(
                 closing.start_soon(claim_fails, "after")
             group.cancel_scope.cancel()
     await store.aclose()
-    assert longest_stall < 0.3
+    assert stalls.longest < 0.3
