@@ -57,16 +57,20 @@ def test_a_store_without_its_extra_names_the_install_command(
 def test_a_sql_store_without_its_driver_names_the_extra(
     url: str, driver: str | None, missing: str, extra: str
 ) -> None:
+    # An ImportError (a ModuleNotFoundError still, for callers that look for one) that
+    # says what to install.
     result = python(
         f"import sys; sys.modules[{missing!r}] = None\n"
         "from idempotency_mw import SQLStore\n"
-        f"SQLStore({url!r}, driver={driver!r})"
+        "try:\n"
+        f"    SQLStore({url!r}, driver={driver!r})\n"
+        "except ImportError as exc:\n"
+        "    print(exc.name, exc)"
     )
-    assert result.returncode == 1
     backend = url.partition(":")[0]
-    assert (
-        f"ImportError: SQLStore on {backend} needs {missing}: pip install 'idempotency-mw[{extra}]'"
-    ) in result.stderr, result.stderr
+    assert result.stdout.strip() == (
+        f"{missing} SQLStore on {backend} needs {missing}: pip install 'idempotency-mw[{extra}]'"
+    ), result.stderr
 
 
 @pytest.fixture

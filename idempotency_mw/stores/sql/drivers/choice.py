@@ -102,7 +102,9 @@ def open_driver(
             raise
         extra = _EXTRAS.get(name)
         how = f"pip install 'idempotency-mw[{extra}]'" if extra else f"pip install {name}"
-        raise ImportError(f"SQLStore on {backend} needs {name}: {how}", name=name) from exc
+        # Still a ModuleNotFoundError (which callers such as the CLI recognise), now saying
+        # what to install.
+        raise ModuleNotFoundError(f"SQLStore on {backend} needs {name}: {how}", name=name) from exc
 
 
 def _native_name(url: URL) -> str | None:
