@@ -5,8 +5,10 @@
    two commands (``SET NX PX``, ``SET XX PX``) through redis-py and through our pipelined
    connection; three SQLite statements through sqlite3 in autocommit (read, upsert, update), on
    a file in WAL with ``synchronous=FULL`` (the store's default) and with ``NORMAL``. Beside
-   them, for reference, the store's own statements through its own driver, without the store's
-   bookkeeping or the middleware: what its schema and SQL cost over the floor's bare table.
+   them, for reference, the store's own statements through each driver it can use
+   (``driver="native"`` and ``driver="sqlalchemy"``, on SQLite, PostgreSQL and MariaDB), without
+   the store's bookkeeping or the middleware: what its schema and SQL cost over the floor's bare
+   table, and what each native driver saves over SQLAlchemy's engine in the same run.
 2. The middleware's own CPU per request, outside store calls: process CPU per request behind
    the middleware, minus bare FastAPI's, minus the CPU spent inside the store's calls (timed by
    a delegating store), beside bare FastAPI's whole request.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import math
 import sqlite3
 import sys
 import tempfile
@@ -38,6 +41,7 @@ from typing import Any
 
 from benchmarks.apps import BODY, PATH, TicketIn, build_app, prepare, unavailable
 from benchmarks.common import (
+    MARIADB_URL,
     POSTGRESQL_URL,
     REDIS_PREFIX,
     REDIS_URL,
@@ -103,9 +107,16 @@ async def floors(n: int, chunk: int, directory: Path) -> dict[str, Summary]:
                 sqlite_synchronous=synchronous,
             )
             if store_sql is not None:
-                variants[f"SQLite, the store's 3 statements, its driver (WAL, {synchronous})"] = (
-                    store_sql
-                )
+                variants[
+                    f"SQLite, the store's 3 statements, driver='native' (WAL, {synchronous})"
+                ] = store_sql
+        store_sql = await _store_statements(
+            stack, sqlite_url(directory, "store-engine.db"), driver="sqlalchemy"
+        )
+        if store_sql is not None:
+            variants["SQLite, the store's 3 statements, driver='sqlalchemy' (aiosqlite)"] = (
+                store_sql
+            )
         if not unavailable("ours-postgresql"):
             import asyncpg
 
@@ -116,9 +127,10 @@ async def floors(n: int, chunk: int, directory: Path) -> dict[str, Summary]:
             )
             await pg.execute("TRUNCATE bench_floor")
             variants["PostgreSQL, 2 statements (asyncpg)"] = _postgresql_floor(pg, tag)
-            store_sql = await _store_statements(stack, POSTGRESQL_URL)
-            if store_sql is not None:
-                variants["PostgreSQL, the store's 2 statements, its driver"] = store_sql
+            for driver in ("native", "sqlalchemy"):
+                store_sql = await _store_statements(stack, POSTGRESQL_URL, driver=driver)
+                if store_sql is not None:
+                    variants[f"PostgreSQL, the store's 2 statements, driver={driver!r}"] = store_sql
         if not unavailable("ours-redis"):
             import redis.asyncio
 
@@ -131,24 +143,34 @@ async def floors(n: int, chunk: int, directory: Path) -> dict[str, Summary]:
                 variants["Redis, 2 commands (pipelined connection)"] = _redis_floor(
                     pipelined.execute, tag
                 )
-        return await _timed_rounds(variants, n, chunk)
+        timed = await _timed_rounds(variants, n, chunk)
+    if unavailable("ours-mariadb"):
+        return timed
+    # Apart: with MariaDB's pools open in the process, the pipelined Redis rounds ran slower.
+    async with AsyncExitStack() as stack:
+        variants = {}
+        for driver in ("native", "sqlalchemy"):
+            store_sql = await _store_statements(stack, MARIADB_URL, driver=driver)
+            if store_sql is not None:
+                variants[f"MariaDB, the store's 4 statements, driver={driver!r}"] = store_sql
+        return timed | await _timed_rounds(variants, n, chunk)
 
 
 async def _store_statements(
     stack: AsyncExitStack, url: str, **options: Any
 ) -> Callable[[int], Awaitable[None]] | None:
     """A first request's statements as the store sends them (its claim's, then its completion),
-    through the driver it picks for ``url``, without the store's bookkeeping or the middleware:
-    what the schema and the SQL cost. ``None`` for a version of the library laid out otherwise.
-    ``options`` go to the driver (``sqlite_synchronous``)."""
+    through the driver ``options`` choose (``driver=``, ``sqlite_synchronous=``), without the
+    store's bookkeeping or the middleware: what the schema, the SQL and the driver cost.
+    ``None`` for a version of the library laid out otherwise."""
     try:
         from idempotency_mw.stores.sql.claims import CLAIMS
-        from idempotency_mw.stores.sql.drivers import driver_for
+        from idempotency_mw.stores.sql.drivers import open_driver
         from idempotency_mw.stores.sql.statements import SILENT
     except ImportError:
         return None
     await prepare_sql(url)
-    driver = driver_for(url, **options)
+    driver = open_driver(url, **options)
     stack.push_async_callback(driver.aclose)
     claim = CLAIMS[driver.dialect_name]
     tag = uuid.uuid4().hex[:8]
@@ -168,9 +190,9 @@ async def _store_statements(
             "p_response_headers": b"\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json",
             "p_result_payload": BODY,
         }
-        _, taken = await claim.attempt(driver, params)
+        _, taken = await claim.attempt(driver, params, math.inf)
         assert taken
-        assert await driver.change(SILENT.complete, params) == 1
+        assert await driver.change(SILENT.complete, params, deadline=math.inf) == 1
 
     return operation
 

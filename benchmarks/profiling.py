@@ -1,17 +1,14 @@
 """Where a keyed request's time goes: micro-costs, a per-request breakdown, and profiles.
 
 1. Micro-costs, each timed alone (wall p50/p99 and process CPU per operation): thread hops,
-   aiosqlite with and without SQLAlchemy, sync sqlite3 in WAL mode, building the upsert
-   statement, PostgreSQL claim variants (SQLAlchemy transaction, autocommit, raw asyncpg with
-   one, two or four round trips), Redis, and the middleware's own steps.
+   aiosqlite with and without SQLAlchemy, sync sqlite3 in WAL mode, the store's own calls on
+   each backend (and on PostgreSQL through SQLAlchemy's engine), asyncpg's pool beside the
+   store's, Redis, and the middleware's own steps.
 2. Breakdown of a first request through the FastAPI app on each store: total, ``claim``,
    ``complete`` (timed by a delegating store wrapper), and the rest.
 3. Driver calls per claim/complete: aiosqlite thread hops, PostgreSQL round trips.
 4. A pyinstrument profile of first requests and of replays on each store: the top functions by own
    time (the full text reports go to ``--profile-dir``).
-
-The "prototype" rows run the same SQL as ``SQLStore`` another way; they are sketches to size
-an optimisation, not replacements (they skip its error handling and timeouts).
 
     python -m benchmarks.profiling [-n 1000] [--profile-dir benchmarks/profiles]
 """
@@ -34,17 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from sqlalchemy import BigInteger, ColumnElement, and_, event, or_, select, text, update
-from sqlalchemy.dialects import postgresql as postgresql_dialects
-from sqlalchemy.dialects import sqlite as sqlite_dialects
-from sqlalchemy.dialects.postgresql import asyncpg as asyncpg_dialect
+from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.expression import FunctionElement
 from starlette.datastructures import Headers
 
 from benchmarks.apps import BODY, PATH, build_app, prepare, unavailable
 from benchmarks.common import (
+    MARIADB_URL,
     POSTGRESQL_URL,
     REDIS_PREFIX,
     REDIS_URL,
@@ -65,9 +58,8 @@ from idempotency_mw import SQLStore
 from idempotency_mw._asgi import parse_key
 from idempotency_mw.fingerprint import request_fingerprint
 from idempotency_mw.middleware import IdempotencyMiddleware
-from idempotency_mw.records import Claim, ClaimOutcome, RecordStatus, StoredResponse
+from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.stores.sql import async_url
-from idempotency_mw.stores.sql.schema import records
 
 FP = "f" * 64
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id": "x"}')
@@ -111,162 +103,12 @@ def timed_sync(fn: Callable[[], Any], n: int, warmup: int = 50) -> tuple[Summary
     return Summary.of(samples), (time.process_time() - cpu) / n * 1e6
 
 
-# ---------------------------------------------------------------- the store's SQL, compiled
-#
-# Self-contained on purpose: the store's internals change as it is optimised, while these
-# sketches keep measuring one fixed statement shape: the claim as SQLStore 0.1.0 wrote it
-# (INSERT ... ON CONFLICT DO UPDATE ... WHERE <take over>, then SELECT the row), built per call
-# with SQLAlchemy Core the same way.
-
-
-class BenchNow(FunctionElement[int]):
-    """The database clock in ms since the epoch (as the store computes it)."""
-
-    type = BigInteger()
-    inherit_cache = True
-
-
-@compiles(BenchNow, "sqlite")
-def _now_sqlite(element: BenchNow, compiler: Any, **kw: Any) -> str:
-    return "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)"
-
-
-@compiles(BenchNow, "postgresql")
-def _now_postgresql(element: BenchNow, compiler: Any, **kw: Any) -> str:
-    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
-
-
-def key_is(scope: str, key: str) -> ColumnElement[bool]:
-    return and_(records.c.scope == scope, records.c.key == key)
-
-
-def owned(scope: str, key: str, token: str) -> ColumnElement[bool]:
-    return and_(
-        key_is(scope, key),
-        records.c.token == token,
-        records.c.status == RecordStatus.IN_PROGRESS.value,
-    )
-
-
-def can_take_over(fingerprint: str, now: BenchNow) -> ColumnElement[bool]:
-    return or_(
-        and_(
-            records.c.status == RecordStatus.IN_PROGRESS.value,
-            records.c.lease_expires_at <= now,
-            or_(records.c.request_hash == fingerprint, records.c.expires_at <= now),
-        ),
-        and_(
-            records.c.status != RecordStatus.IN_PROGRESS.value,
-            records.c.expires_at <= now,
-        ),
-    )
-
-
-def build_upsert(dialect: str, key: str = "k", token: str = "t") -> Any:
-    """The claim's upsert, built the way SQLStore builds it on every call."""
-    module = postgresql_dialects if dialect == "postgresql" else sqlite_dialects
-    now = BenchNow()
-    values = {
-        "scope": "",
-        "key": key,
-        "request_hash": FP,
-        "status": RecordStatus.IN_PROGRESS.value,
-        "token": token,
-        "created_at": now,
-        "lease_expires_at": now + int(LEASE * 1000),
-        "expires_at": now + int(TTL * 1000),
-        "response_status": None,
-        "response_headers": None,
-        "result_payload": None,
-    }
-    statement = module.insert(records).values(values)
-    return statement.on_conflict_do_update(
-        index_elements=[records.c.scope, records.c.key],
-        set_={name: statement.excluded[name] for name in values if name not in ("scope", "key")},
-        where=can_take_over(FP, now),
-    )
-
-
 def tune_sqlite(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
-
-
-@dataclass
-class Compiled:
-    sql: str
-    names: list[str]
-
-    def args(self, values: dict[str, Any]) -> list[Any]:
-        return [values[name] for name in self.names]
-
-
-def compiled_statements(dialect: Any) -> dict[str, Compiled]:
-    """The claim's SQL (upsert, select) and complete's, with their parameter order."""
-    now = BenchNow()
-    upsert = build_upsert(dialect.name, "", "")
-    read = select(
-        records.c.token,
-        records.c.request_hash,
-        records.c.status,
-        records.c.response_status,
-        records.c.response_headers,
-        records.c.result_payload,
-    ).where(key_is("", ""))
-    complete = (
-        update(records)
-        .where(owned("", "", ""))
-        .values(
-            lease_expires_at=now,
-            expires_at=now + int(TTL * 1000),
-            status=RecordStatus.COMPLETED.value,
-            response_status=201,
-            response_headers=b"",
-            result_payload=b"",
-        )
-    )
-    out = {}
-    for label, statement in (("upsert", upsert), ("select", read), ("complete", complete)):
-        compiled = statement.compile(dialect=dialect)
-        out[label] = Compiled(compiled.string, list(compiled.positiontup or []))
-    return out
-
-
-def upsert_values(key: str, token: str) -> dict[str, Any]:
-    return {
-        "scope": "",
-        "key": key,
-        "request_hash": FP,
-        "status": RecordStatus.IN_PROGRESS.value,
-        "token": token,
-        "param_1": int(LEASE * 1000),
-        "param_2": int(TTL * 1000),
-        "response_status": None,
-        "response_headers": None,
-        "result_payload": None,
-        "status_1": RecordStatus.IN_PROGRESS.value,
-        "status_2": RecordStatus.IN_PROGRESS.value,
-        "request_hash_1": FP,
-        "scope_1": "",
-        "key_1": key,
-    }
-
-
-def complete_values(key: str, token: str) -> dict[str, Any]:
-    return {
-        "status": RecordStatus.COMPLETED.value,
-        "param_1": int(TTL * 1000),
-        "response_status": 201,
-        "response_headers": b"",
-        "result_payload": RESPONSE.body,
-        "scope_1": "",
-        "key_1": key,
-        "token_1": token,
-        "status_1": RecordStatus.IN_PROGRESS.value,
-    }
 
 
 # ---------------------------------------------------------------- counting driver calls
@@ -360,8 +202,6 @@ async def store_calls(name: str, store: Any) -> list[tuple[str, str, str]]:
 async def driver_calls(directory: Path, have_pg: bool) -> list[tuple[str, str, str]]:
     """Thread hops and socket writes (~ round trips) per store operation, and per SELECT."""
     import aiosqlite.core
-
-    from benchmarks.common import MARIADB_URL
 
     url = sqlite_url(directory, "hops.db")
     await prepare_sql(url)
@@ -485,51 +325,9 @@ async def micro_costs(n: int, directory: Path, have_pg: bool, have_redis: bool) 
     )
     await engine.dispose()
 
-    statements = compiled_statements(sqlite_dialects.dialect())
     sync = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     sync.execute("PRAGMA journal_mode=WAL")
-    sync.execute("PRAGMA synchronous=NORMAL")
-    sync.execute("PRAGMA busy_timeout=30000")
     add("SQLite", "sync sqlite3 (WAL): SELECT 1", timed_sync(lambda: sync.execute("SELECT 1"), n))
-
-    def sync_claim() -> tuple[str, str]:
-        key, token = f"s-{uuid.uuid4().hex}", uuid.uuid4().hex
-        values = upsert_values(key, token)
-        sync.execute("BEGIN IMMEDIATE")
-        try:
-            sync.execute(statements["upsert"].sql, statements["upsert"].args(values))
-            row = sync.execute(statements["select"].sql, statements["select"].args(values))
-            found = row.fetchone()
-        finally:
-            sync.execute("COMMIT")
-        assert found[0] == token
-        return key, token
-
-    def sync_complete(key: str, token: str) -> None:
-        values = complete_values(key, token)
-        changed = sync.execute(statements["complete"].sql, statements["complete"].args(values))
-        assert changed.rowcount == 1
-
-    def sync_claim_complete() -> None:
-        sync_complete(*sync_claim())
-
-    add(
-        "SQLite",
-        "prototype: sync sqlite3 claim (BEGIN IMMEDIATE, upsert, select, COMMIT)",
-        timed_sync(sync_claim, n),
-        "0.1.0 claim SQL, on the event loop thread",
-    )
-    add(
-        "SQLite",
-        "prototype: sync sqlite3 claim + complete",
-        timed_sync(sync_claim_complete, n),
-    )
-    add(
-        "SQLite",
-        "prototype: sync sqlite3 claim + complete, each op one to_thread hop",
-        await timed(lambda: _two_hops(sync_claim, sync_complete), n),
-        "2 hops per request",
-    )
     sync.close()
 
     store = SQLStore(url)
@@ -547,33 +345,6 @@ async def micro_costs(n: int, directory: Path, have_pg: bool, have_redis: bool) 
         await timed(lambda: store.claim("", replay_key, FP, ttl=TTL, lease=LEASE), n),
     )
     await store.aclose()
-
-    # -- building statements
-    add(
-        "SQLAlchemy",
-        "build the 0.1.0 claim upsert (SQLite dialect)",
-        timed_sync(lambda: _build_upsert("sqlite"), n),
-        "per claim, before execution",
-    )
-    add(
-        "SQLAlchemy",
-        "build the 0.1.0 claim upsert (PostgreSQL dialect)",
-        timed_sync(lambda: _build_upsert("postgresql"), n),
-    )
-    add(
-        "SQLAlchemy",
-        "cache key of a freshly built upsert",
-        timed_sync(lambda: _build_upsert("postgresql")._generate_cache_key(), n),
-        "includes building it",
-    )
-    add(
-        "SQLAlchemy",
-        "build the claim's select",
-        timed_sync(
-            lambda: select(records.c.token, records.c.status).where(key_is("", "k")),
-            n,
-        ),
-    )
 
     # -- PostgreSQL
     if have_pg:
@@ -620,17 +391,6 @@ async def micro_costs(n: int, directory: Path, have_pg: bool, have_redis: bool) 
     )
     add("middleware", "uuid.uuid4().hex (token)", timed_sync(lambda: uuid.uuid4().hex, n))
     return costs
-
-
-async def _two_hops(
-    sync_claim: Callable[[], tuple[str, str]], sync_complete: Callable[[str, str], None]
-) -> None:
-    key, token = await asyncio.to_thread(sync_claim)
-    await asyncio.to_thread(sync_complete, key, token)
-
-
-def _build_upsert(dialect: str) -> Any:
-    return build_upsert(dialect)
 
 
 async def _claim(store: Any) -> Claim:
@@ -693,10 +453,6 @@ async def pg_costs(n: int, add: Callable[..., None]) -> list[Cost]:
     conn = await asyncpg.connect(
         host=parsed.host, port=parsed.port or 5432, user=parsed.username, database=parsed.database
     )
-    statements = compiled_statements(asyncpg_dialect.dialect())  # type: ignore[no-untyped-call]
-    upsert = await conn.prepare(statements["upsert"].sql)
-    read = await conn.prepare(statements["select"].sql)
-    complete = await conn.prepare(statements["complete"].sql)
     add("PostgreSQL", "raw asyncpg: SELECT 1", await timed(lambda: conn.fetchval("SELECT 1"), n))
     dsn = parsed.set(drivername="postgresql").render_as_string(False)
 
@@ -720,7 +476,7 @@ async def pg_costs(n: int, add: Callable[..., None]) -> list[Cost]:
         )
         await pool.close()
     try:
-        from idempotency_mw.stores.sql.statement_pool import StatementPool
+        from idempotency_mw.stores.sql.drivers.statement_pool import StatementPool
     except ImportError:  # a version of the library from before its own pool
         pass
     else:
@@ -733,82 +489,8 @@ async def pg_costs(n: int, add: Callable[..., None]) -> list[Cost]:
         )
         await statement_pool.aclose()
 
-    async def raw_claim(in_transaction: bool) -> None:
-        key, token = f"a-{uuid.uuid4().hex}", uuid.uuid4().hex
-        values = upsert_values(key, token)
-        if in_transaction:
-            async with conn.transaction():
-                await upsert.fetch(*statements["upsert"].args(values))
-                row = await read.fetchrow(*statements["select"].args(values))
-        else:
-            await upsert.fetch(*statements["upsert"].args(values))
-            row = await read.fetchrow(*statements["select"].args(values))
-        assert row is not None
-        assert row[0] == token
-
-    add("PostgreSQL", "raw asyncpg, 0.1.0 claim SQL in a transaction (4 round trips)", await timed(
-        lambda: raw_claim(True), n
-    ))  # fmt: skip
-    add("PostgreSQL", "raw asyncpg, 0.1.0 claim SQL, autocommit (2 round trips)", await timed(
-        lambda: raw_claim(False), n
-    ))  # fmt: skip
-
-    one_trip = await conn.prepare(_one_round_trip_claim(statements))
-
-    async def single_claim() -> None:
-        key, token = f"c-{uuid.uuid4().hex}", uuid.uuid4().hex
-        values = upsert_values(key, token)
-        row = await one_trip.fetchrow(*statements["upsert"].args(values))
-        assert row is not None
-        assert row[0] == token
-
-    add(
-        "PostgreSQL",
-        "prototype: raw asyncpg claim as one statement (CTE, 1 round trip)",
-        await timed(single_claim, n),
-        "upsert RETURNING, else the existing row",
-    )
-
-    async def raw_complete() -> None:
-        key, token = f"d-{uuid.uuid4().hex}", uuid.uuid4().hex
-        values = upsert_values(key, token)
-        await upsert.fetch(*statements["upsert"].args(values))
-        await complete.fetch(*statements["complete"].args(complete_values(key, token)))
-
-    add("PostgreSQL", "raw asyncpg: autocommit upsert + autocommit complete", await timed(
-        raw_complete, n
-    ))  # fmt: skip
-    await _claim_complete_key_raw(conn, upsert, complete, statements, "replay-key")
-    add(
-        "PostgreSQL",
-        "prototype: replay as a plain SELECT (read-only fast path)",
-        await timed(lambda: read.fetchrow("", "replay-key"), n),
-        "no row lock, no WAL flush",
-    )
     await conn.close()
     return []
-
-
-def _one_round_trip_claim(statements: dict[str, Compiled]) -> str:
-    # The upsert's RETURNING gives the row when it inserted or took over; otherwise the row
-    # is read from the statement's snapshot (a sketch: a row inserted by a concurrent claim
-    # after the snapshot would need one retry).
-    columns = "token, request_hash, status, response_status, response_headers, result_payload"
-    return (
-        f"WITH up AS ({statements['upsert'].sql} RETURNING {columns}) "
-        f"SELECT {columns} FROM up UNION ALL "
-        f"SELECT {columns} FROM idempotency_records "
-        f"WHERE scope = $1::VARCHAR AND key = $2::VARCHAR AND NOT EXISTS (SELECT 1 FROM up)"
-    )
-
-
-async def _claim_complete_key_raw(
-    conn: Any, upsert: Any, complete: Any, statements: dict[str, Compiled], key: str
-) -> None:
-    token = uuid.uuid4().hex
-    await conn.execute("DELETE FROM idempotency_records WHERE key = $1", key)
-    await upsert.fetch(*statements["upsert"].args(upsert_values(key, token)))
-    await complete.fetch(*statements["complete"].args(complete_values(key, token)))
 
 
 # ---------------------------------------------------------------- per-request breakdown
@@ -1069,9 +751,7 @@ async def main_async(args: argparse.Namespace, directory: Path) -> tuple[Any, ..
             continue
         if variant == "ours-redis" and not have_redis:
             continue
-        if variant == "ours-mariadb" and not server_reachable(
-            "mysql://root@127.0.0.1:3306/idempotency_bench"
-        ):
+        if variant == "ours-mariadb" and not server_reachable(MARIADB_URL):
             continue
         print(f"… breakdown {variant}", file=sys.stderr, flush=True)
         breakdowns += await breakdown(variant, args.requests, directory)

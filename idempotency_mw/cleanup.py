@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
+from idempotency_mw._backoff import Backoff
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.policy import Duration, to_seconds
 from idempotency_mw.stores.base import Store
@@ -66,7 +67,7 @@ class PurgeSchedule:
 
     The jitter spreads the purges of many instances that started together. A purge that fails
     is tried again after ``first_retry``, then after twice as long each time, at most
-    ``interval``.
+    ``interval``, each pause shortened by up to ``jitter`` of it at random.
     """
 
     interval: Duration = DEFAULT_INTERVAL
@@ -86,23 +87,29 @@ class PurgeSchedule:
         """Purge on this schedule until cancelled (or the store expires records by itself)."""
         stats = PurgeStats() if stats is None else stats
         interval = to_seconds(self.interval, "interval")
-        delay, failed_in_a_row = interval, 0
+        retries = Backoff(
+            first=to_seconds(self.first_retry, "first_retry"), cap=interval, jitter=self.jitter
+        )
+
+        def next_purge() -> float:
+            return interval * random.uniform(1 - self.jitter, 1 + self.jitter)
+
+        delay, failed_in_a_row = next_purge(), 0
         while True:
-            await asyncio.sleep(delay * random.uniform(1 - self.jitter, 1 + self.jitter))
+            await asyncio.sleep(delay)
             try:
                 report = await purge(store, batch_size=self.batch_size)
             except Exception:
                 stats.failures += 1
+                delay = retries.delay(failed_in_a_row)
                 failed_in_a_row += 1
-                retry = to_seconds(self.first_retry, "first_retry") * 2 ** (failed_in_a_row - 1)
-                delay = min(interval, retry)
                 logger.exception(
                     "purge of expired idempotency records failed (%d in a row); next in %.1f s",
                     failed_in_a_row,
                     delay,
                 )
                 continue
-            delay, failed_in_a_row = interval, 0
+            delay, failed_in_a_row = next_purge(), 0
             stats.purges += 1
             stats.deleted += report.deleted
             if report.self_expiring:

@@ -394,7 +394,7 @@ async def test_client_decoding_responses_is_rejected() -> None:
     finally:
         await client.aclose()
     with pytest.raises(ConfigurationError, match="decode_responses=False"):
-        RedisStore(f"{REDIS_URL}?decode_responses=True")
+        RedisStore(f"{REDIS_URL}?decode_responses=True", transport="redis-py")
 
 
 async def test_exactly_one_of_url_and_client(redis_client: redis.asyncio.Redis) -> None:

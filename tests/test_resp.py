@@ -13,9 +13,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from idempotency_mw.exceptions import StoreError
+from idempotency_mw.exceptions import ConfigurationError, StoreError
+from idempotency_mw.metrics import key_hash
 from idempotency_mw.stores.redis.resp import Address, PipelinedConnection, pack
-from idempotency_mw.stores.redis.store import RedisStore, _plain_address
+from idempotency_mw.stores.redis.store import RedisStore, Transport, _plain_address
 from tests.conftest import REDIS_URL, require_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.servers]
@@ -191,7 +192,7 @@ async def test_a_server_that_never_answers_times_out() -> None:
     store = RedisStore(f"redis://127.0.0.1:{port}/0", socket_timeout=0.3)
     try:
         began = time.monotonic()
-        with pytest.raises(StoreError, match="no reply"):
+        with pytest.raises(StoreError, match=r"within 0\.3 s"):
             await store.claim("s", "k", "fp", ttl=60, lease=30)
         assert time.monotonic() - began < 2
     finally:
@@ -222,3 +223,104 @@ async def test_a_refused_connection_is_a_store_error() -> None:
 )
 def test_only_plain_urls_get_the_pipelined_connection(url: str, address: Address | None) -> None:
     assert _plain_address(url) == address
+
+
+@pytest.mark.parametrize("url", ["rediss://h:6380/0", "redis://h/0?protocol=3"])
+def test_a_url_the_pipelined_transport_cannot_serve_is_refused_until_redis_py_is_chosen(
+    url: str,
+) -> None:
+    with pytest.raises(ConfigurationError, match="transport='redis-py'"):
+        RedisStore(url)
+    with pytest.raises(ConfigurationError, match="transport='redis-py'"):
+        RedisStore(url, transport="pipelined")
+    assert RedisStore(url, transport="redis-py").client is not None
+
+
+async def test_the_transport_is_chosen_for_urls_only(redis_client: redis.asyncio.Redis) -> None:
+    with pytest.raises(ConfigurationError, match="url="):
+        RedisStore(client=redis_client, transport="pipelined")
+    with pytest.raises(ConfigurationError, match="cluster=True"):
+        RedisStore(REDIS_URL, cluster=True, transport="pipelined")
+    with pytest.raises(ConfigurationError, match="transport must be"):
+        RedisStore(REDIS_URL, transport="hiredis")  # type: ignore[arg-type]
+
+
+async def test_the_pipelined_transport_builds_no_redis_py_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Requests and the settlement feed both go through connections of the store's own.
+    require_server(REDIS_URL)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a redis-py client was built")
+
+    monkeypatch.setattr(redis.asyncio.Redis, "from_url", refuse)
+    store = RedisStore(REDIS_URL, prefix=f"test-resp-{uuid.uuid4().hex}:")
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    feed = asyncio.ensure_future(store.watch_settlements(heard.put_nowait))
+    try:
+        await store.startup()
+        await asyncio.sleep(0.2)  # subscribed by now
+        claim = await store.claim("s", "k", "fp", ttl=5, lease=5)
+        assert claim.token is not None
+        assert await store.complete("s", "k", claim.token, None, ttl=5)
+        async with asyncio.timeout(5):
+            assert await heard.get() == key_hash("s", "k")
+    finally:
+        await store.aclose()
+        await feed
+
+
+@pytest.mark.parametrize("transport", ["pipelined", "redis-py"])
+async def test_a_store_call_gives_up_within_socket_timeout_behind_a_silent_server(
+    transport: Transport,
+) -> None:
+    # The second call is sent behind the first on the shared connection; when the first times
+    # out and drops it, the second is sent again on a new one, within what is left of its own
+    # socket_timeout (before, it waited for a whole socket_timeout more).
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(100):
+            pass
+
+    server, port = await serve(silent)
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", transport=transport, socket_timeout=1)
+    took: list[float] = []
+
+    async def claim_after(delay: float) -> None:
+        await asyncio.sleep(delay)
+        began = time.monotonic()
+        with pytest.raises(StoreError):
+            await store.claim("s", f"k{delay}", "fp", ttl=60, lease=30)
+        took.append(time.monotonic() - began)
+
+    try:
+        await asyncio.gather(claim_after(0), claim_after(0.5))
+    finally:
+        await store.aclose()
+        server.close()
+        await server.wait_closed()
+    assert max(took) < 1.25
+
+
+async def test_commands_wait_while_the_server_reads_nothing() -> None:
+    # A server that stops reading fills the socket; what the callers send meanwhile waits
+    # instead of piling up in the connection's write buffer.
+    async def deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(3)
+
+    server, port = await serve(deaf)
+    connection = PipelinedConnection(Address(host="127.0.0.1", port=port), timeout=2)
+    value = b"x" * 200_000
+    sends = [asyncio.ensure_future(connection.execute("SET", "k", value)) for _ in range(150)]
+    try:
+        await asyncio.sleep(0.5)
+        transport = connection._protocol.transport if connection._protocol else None
+        assert transport is not None
+        assert transport.get_write_buffer_size() < 1_000_000
+    finally:
+        for send in sends:
+            send.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+        await connection.aclose()
+        server.close()
+        await server.wait_closed()

@@ -11,19 +11,41 @@ from typing import cast
 import anyio
 import pytest
 
-from idempotency_mw import Claim, ClaimOutcome, Store, StoredResponse
+from idempotency_mw import Claim, ClaimOutcome, SQLStore, Store, StoredResponse
 from idempotency_mw.records import new_token
 from idempotency_mw.stores.base import ClaimsWithToken
-from tests.conftest import STORE_PATHS, built_store
+from tests.conftest import (
+    DATABASES,
+    SERVER_DATABASES,
+    STORE_PATHS,
+    built_store,
+    fresh_sql_store,
+    require_server,
+)
 
 pytestmark = pytest.mark.anyio
 
+#: A URL with ``driver="sqlalchemy"``: SQLAlchemy's engine where the store has a native driver.
+SQLALCHEMY_FROM_URL = [f"{database}-url-sqlalchemy" for database in DATABASES]
 
-@pytest.fixture(params=STORE_PATHS)
+
+@pytest.fixture(params=[*STORE_PATHS, *SQLALCHEMY_FROM_URL])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    """An empty store for each way of building one (see ``STORE_PATHS``)."""
-    async with built_store(request.param, request) as made:
-        yield made
+    """An empty store for each way of building one (see ``STORE_PATHS``) and each driver."""
+    if request.param not in SQLALCHEMY_FROM_URL:
+        async with built_store(request.param, request) as made:
+            yield made
+        return
+    database = request.param.partition("-")[0]
+    if database == "sqlite":
+        url = f"sqlite:///{request.getfixturevalue('tmp_path') / 'idempotency.db'}"
+    else:
+        url = SERVER_DATABASES[database]
+        require_server(url)
+    await (await fresh_sql_store(url)).aclose()
+    sql_store = SQLStore(url, driver="sqlalchemy")
+    yield sql_store
+    await sql_store.aclose()
 
 
 TTL = 60.0

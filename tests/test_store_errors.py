@@ -45,6 +45,34 @@ def test_a_store_without_its_extra_names_the_install_command(
     )
 
 
+@pytest.mark.parametrize(
+    ("url", "driver", "missing", "extra"),
+    [
+        ("postgresql://u@127.0.0.1/db", None, "asyncpg", "postgresql"),
+        ("postgresql://u@127.0.0.1/db", "sqlalchemy", "asyncpg", "postgresql"),
+        ("mysql://u@127.0.0.1/db", None, "asyncmy", "mysql"),
+        ("mariadb://u@127.0.0.1/db", "sqlalchemy", "asyncmy", "mysql"),
+    ],
+)
+def test_a_sql_store_without_its_driver_names_the_extra(
+    url: str, driver: str | None, missing: str, extra: str
+) -> None:
+    # An ImportError (a ModuleNotFoundError still, for callers that look for one) that
+    # says what to install.
+    result = python(
+        f"import sys; sys.modules[{missing!r}] = None\n"
+        "from idempotency_mw import SQLStore\n"
+        "try:\n"
+        f"    SQLStore({url!r}, driver={driver!r})\n"
+        "except ImportError as exc:\n"
+        "    print(exc.name, exc)"
+    )
+    backend = url.partition(":")[0]
+    assert result.stdout.strip() == (
+        f"{missing} SQLStore on {backend} needs {missing}: pip install 'idempotency-mw[{extra}]'"
+    ), result.stderr
+
+
 @pytest.fixture
 async def silent_port() -> AsyncIterator[int]:
     """A TCP port whose server accepts connections and never answers."""

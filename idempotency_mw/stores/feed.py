@@ -8,13 +8,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from idempotency_mw._backoff import Backoff
 from idempotency_mw.exceptions import describe
 
 logger = logging.getLogger("idempotency_mw")
 
-#: The pauses before opening a lost connection again: doubling from the first to the last.
-FIRST_RETRY = 0.1
-LAST_RETRY = 5.0
+#: The pauses before opening a lost connection again: doubling up to 5 s, jittered so that
+#: the workers that lost their connections together do not all come back together.
+RETRIES = Backoff(first=0.1, cap=5.0)
 #: How long a listening connection may stay silent before it is asked to prove it still works:
 #: a connection that a firewall or NAT dropped without a word would otherwise wait forever.
 CHECK_AFTER = 30.0
@@ -37,7 +38,7 @@ class Feeds:
         loop = asyncio.get_running_loop()
         closed, ended = loop.create_future(), loop.create_future()
         self._running[closed] = ended
-        pause = FIRST_RETRY
+        failures = 0
         try:
             while not closed.done():
                 began = time.monotonic()
@@ -51,8 +52,9 @@ class Feeds:
                 error = None if attempt.cancelled() else attempt.exception()
                 if closed.done():
                     break
-                if time.monotonic() - began > LAST_RETRY:
-                    pause = FIRST_RETRY  # it had been working: retry soon
+                if time.monotonic() - began > RETRIES.cap:
+                    failures = 0  # it had been working: retry soon
+                pause = RETRIES.delay(failures)
                 logger.warning(
                     "the settlement feed of %s lost its connection (%s); trying again in %.1f s",
                     store,
@@ -60,7 +62,7 @@ class Feeds:
                     pause,
                 )
                 await asyncio.wait({closed}, timeout=pause)
-                pause = min(pause * 2, LAST_RETRY)
+                failures += 1
         finally:
             del self._running[closed]
             ended.set_result(None)

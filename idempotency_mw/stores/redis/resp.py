@@ -3,14 +3,16 @@
 redis-py checks a connection out of its pool for every command, and packs, times and records
 each one on the way; for one short script per request that costs about as much CPU as the round
 trip itself. Here every command is written straight to one socket and waits on a future; the
-replies, parsed by hiredis, settle the futures in the order the commands were sent.
+replies, parsed by hiredis, settle the futures in the order the commands were sent. A server
+that reads slower than commands come is felt as back-pressure: while the socket's write buffer
+is full, new commands wait before they are written.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,29 +45,44 @@ def pack(args: Sequence[Arg]) -> bytes:
     return b"".join(parts)
 
 
-class _Protocol(asyncio.Protocol):
+class RespProtocol(asyncio.Protocol):
     """The socket's side: commands go out as written, replies settle waiters first in, first out.
 
     One timer watches the oldest waiter (the first to be answered): when its ``timeout`` ends
-    without a reply, the connection is dropped and every waiter fails.
+    without a reply, the connection is dropped and every waiter fails. ``on_push`` sees every
+    reply first and takes those that answer no command (a subscriber's messages): it returns
+    whether it took one. ``writable`` is clear while the transport asks us to stop writing.
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, on_push: Callable[[Any], bool] | None = None) -> None:
         self._timeout = timeout
+        self._on_push = on_push
         self._reader = hiredis.Reader(replyError=ResponseError)
         self._waiting: deque[tuple[asyncio.Future[Any], float]] = deque()
         self._watchdog: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
         self.lost: Exception | None = None
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.closed: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
 
     def data_received(self, data: bytes) -> None:
         self._reader.feed(data)
         try:
             while (reply := self._reader.gets()) is not False:
+                if self._on_push is not None and self._on_push(reply):
+                    continue
                 waiter, _ = self._waiting.popleft()
                 if waiter.done():  # its caller was cancelled
                     continue
@@ -87,6 +104,9 @@ class _Protocol(asyncio.Protocol):
             self._watchdog.cancel()
         if self.transport is not None:
             self.transport.abort()
+        self.writable.set()  # what waits to write finds the connection lost
+        if self.closed is not None and not self.closed.done():
+            self.closed.set_result(None)
         while self._waiting:
             waiter, _ = self._waiting.popleft()
             if not waiter.done():
@@ -128,19 +148,22 @@ def _error(reply: ResponseError) -> ResponseError:
 class PipelinedConnection:
     """One connection to Redis shared by every caller, made on first use and after a loss.
 
-    A command that finds the connection lost is sent once more on a new one: callers must only
-    send commands that are safe to run twice. A command without a reply within ``timeout``
-    seconds raises ``TimeoutError`` and drops the connection (what else is in flight on it fails
-    with ``ConnectionError`` and is sent again). The connection belongs to the event loop that
-    opened it: close it there (:meth:`aclose`) before using it from another loop.
+    A command that finds the connection lost is sent once more on a new one, at once (all
+    callers share the one new connection, so there is no stampede to spread out): callers must
+    only send commands that are safe to run twice. A command without a reply within
+    ``timeout`` seconds raises ``TimeoutError`` and drops the connection (what else is in
+    flight on it fails with ``ConnectionError`` and is sent again); a caller bounds the whole
+    call, resend included, with its own timeout (RedisStore does, by ``socket_timeout``). The
+    connection belongs to the event loop that opened it: close it there (:meth:`aclose`)
+    before using it from another loop.
     """
 
     def __init__(self, address: Address, *, timeout: float) -> None:
         self._address = address
         self._timeout = timeout
-        self._protocol: _Protocol | None = None
+        self._protocol: RespProtocol | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._connecting: asyncio.Future[_Protocol] | None = None
+        self._connecting: asyncio.Future[RespProtocol] | None = None
 
     async def execute(self, *args: Arg) -> Any:
         """Send one command and return its reply; Redis errors raise ``ResponseError``."""
@@ -160,9 +183,11 @@ class PipelinedConnection:
         protocol = self._protocol
         if protocol is None or protocol.lost is not None or self._loop is not _loop():
             protocol = await self._connected()
+        if not protocol.writable.is_set():
+            await protocol.writable.wait()
         return await protocol.send(command)
 
-    async def _connected(self) -> _Protocol:
+    async def _connected(self) -> RespProtocol:
         """The live connection, opened once however many callers are waiting for it."""
         loop = _loop()
         if self._loop is not loop:
@@ -176,47 +201,49 @@ class PipelinedConnection:
         self._protocol = await asyncio.shield(opening)
         return self._protocol
 
-    async def _open(self) -> _Protocol:
-        protocol: _Protocol | None = None
-        try:
-            async with asyncio.timeout(self._timeout):
-                protocol = await self._connect()
-                await self._greet(protocol)
-        except BaseException as exc:
-            if protocol is not None:
-                protocol.close(RedisConnectionError(f"could not log in to Redis: {exc}"))
-            if isinstance(exc, TimeoutError):
-                raise RedisTimeoutError(
-                    f"no connection to Redis within {self._timeout} s"
-                ) from None
-            if isinstance(exc, OSError):
-                raise RedisConnectionError(f"could not connect to Redis: {exc}") from exc
-            raise
-        return protocol
+    async def _open(self) -> RespProtocol:
+        return await open_protocol(self._address, reply_timeout=self._timeout)
 
-    async def _connect(self) -> _Protocol:
-        address = self._address
 
-        def make() -> _Protocol:
-            return _Protocol(self._timeout)
+async def open_protocol(
+    address: Address, *, reply_timeout: float, on_push: Callable[[Any], bool] | None = None
+) -> RespProtocol:
+    """A connection to ``address``, logged in and on its database, within ``reply_timeout``
+    (which then bounds each reply, see :class:`RespProtocol`)."""
+    timeout = reply_timeout
+    protocol: RespProtocol | None = None
 
-        if address.path is not None:
-            _, protocol = await _loop().create_unix_connection(make, address.path)
-        else:
-            _, protocol = await _loop().create_connection(make, address.host, address.port)
-        return protocol
+    def make() -> RespProtocol:
+        return RespProtocol(timeout, on_push)
 
-    async def _greet(self, protocol: _Protocol) -> None:
-        """Log in and choose the database, as the URL says."""
-        address = self._address
-        replies = []
-        if address.password is not None:
-            login = [address.username] if address.username else []
-            replies.append(protocol.send(pack(["AUTH", *login, address.password])))
-        if address.db:
-            replies.append(protocol.send(pack(["SELECT", address.db])))
-        for reply in replies:
-            await reply
+    try:
+        async with asyncio.timeout(timeout):
+            if address.path is not None:
+                _, protocol = await _loop().create_unix_connection(make, address.path)
+            else:
+                _, protocol = await _loop().create_connection(make, address.host, address.port)
+            await _greet(protocol, address)
+    except BaseException as exc:
+        if protocol is not None:
+            protocol.close(RedisConnectionError(f"could not log in to Redis: {exc}"))
+        if isinstance(exc, TimeoutError):
+            raise RedisTimeoutError(f"no connection to Redis within {timeout} s") from None
+        if isinstance(exc, OSError):
+            raise RedisConnectionError(f"could not connect to Redis: {exc}") from exc
+        raise
+    return protocol
+
+
+async def _greet(protocol: RespProtocol, address: Address) -> None:
+    """Log in and choose the database, as the URL says."""
+    replies = []
+    if address.password is not None:
+        login = [address.username] if address.username else []
+        replies.append(protocol.send(pack(["AUTH", *login, address.password])))
+    if address.db:
+        replies.append(protocol.send(pack(["SELECT", address.db])))
+    for reply in replies:
+        await reply
 
 
 def _loop() -> asyncio.AbstractEventLoop:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -14,10 +14,11 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool, UnixDomainSocketConnection, parse_url
 from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.backoff import AbstractBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
+from idempotency_mw._backoff import Backoff
 from idempotency_mw._redis_client import binary_client
 from idempotency_mw.exceptions import ConfigurationError, store_error
 from idempotency_mw.metrics import key_hash
@@ -31,7 +32,7 @@ from idempotency_mw.records import (
 )
 from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.stores.feed import CHECK_AFTER, Feeds
-from idempotency_mw.stores.redis import scripts
+from idempotency_mw.stores.redis import scripts, subscriber
 from idempotency_mw.stores.redis.resp import Address, Arg, PipelinedConnection
 from idempotency_mw.stores.redis.scripts import Script
 
@@ -40,6 +41,23 @@ T = TypeVar("T")
 
 #: A client RedisStore takes: one server (standalone, or a Sentinel's master) or a cluster.
 AsyncClient = redis.asyncio.Redis | RedisCluster
+#: How the store talks to Redis when it makes the connection from a URL.
+Transport = Literal["pipelined", "redis-py"]
+#: The pause before redis-py sends a command again on a new connection.
+_RESEND = Backoff(first=0.005, cap=0.005)
+
+
+class _Pauses(AbstractBackoff):
+    """redis-py's retry pauses, drawn from the package's one backoff."""
+
+    def __init__(self, backoff: Backoff) -> None:
+        self._backoff = backoff
+
+    def reset(self) -> None:
+        pass
+
+    def compute(self, failures: int) -> float:
+        return self._backoff.delay(max(failures - 1, 0))
 
 
 def _ms(seconds: float) -> int:
@@ -49,12 +67,14 @@ def _ms(seconds: float) -> int:
 class RedisStore(ClaimsWithToken):
     """Idempotency records in Redis, one hash per record.
 
-    Give either ``url`` or ``client``. A ``redis://`` or ``unix://`` URL with nothing beyond
-    host, port, database and login gets one pipelined connection that every request shares;
-    any other URL (``rediss://``, options in the query string) a redis-py client; with
-    ``cluster=True``, a redis-py ``RedisCluster`` that finds the other nodes from the one the
-    URL names. ``socket_timeout`` seconds bound connecting and every reply, and the store
-    closes what it opened in :meth:`aclose`. A given ``client`` (``redis.asyncio.Redis``, a
+    Give either ``url`` or ``client``. From a URL, ``transport`` says how the store talks to
+    Redis: ``"pipelined"`` (the default) is one connection that every request shares, for a
+    ``redis://`` or ``unix://`` URL with nothing beyond host, port, database and login;
+    ``"redis-py"`` is a redis-py client, for any URL redis-py takes (``rediss://``, options in
+    the query string). ``cluster=True`` is a redis-py ``RedisCluster`` that finds the other
+    nodes from the one the URL names (its transport is redis-py). ``socket_timeout`` seconds
+    bound every call of the store, connecting and any resend included, and the store closes
+    what it opened in :meth:`aclose`. A given ``client`` (``redis.asyncio.Redis``, a
     Sentinel's ``master_for(...)``, or ``redis.asyncio.RedisCluster``, with
     ``decode_responses=False``) is used as it is and never closed. Keys are ``prefix`` plus a
     digest of scope and key in braces, so a record lives in one cluster slot.
@@ -70,11 +90,18 @@ class RedisStore(ClaimsWithToken):
         *,
         client: AsyncClient | None = None,
         cluster: bool = False,
+        transport: Transport | None = None,
         prefix: str = "idem:",
         socket_timeout: float = 5.0,
     ) -> None:
         if cluster and url is None:
             raise ConfigurationError("cluster=True applies to url=; pass a RedisCluster client")
+        if transport not in (None, "pipelined", "redis-py"):
+            raise ConfigurationError("transport must be 'pipelined' or 'redis-py'")
+        if transport is not None and url is None:
+            raise ConfigurationError("transport= applies to url=; a given client is redis-py")
+        if cluster and transport == "pipelined":
+            raise ConfigurationError("cluster=True talks through redis-py: drop transport=")
 
         def connect(address: str) -> AsyncClient:
             options: dict[str, Any] = {
@@ -88,35 +115,54 @@ class RedisStore(ClaimsWithToken):
             # outage fails once, and every script is safe to run again with its token.
             return redis.asyncio.Redis.from_url(
                 address,
-                retry=Retry(NoBackoff(), 1),
+                retry=Retry(_Pauses(_RESEND), 1),
                 retry_on_error=[RedisConnectionError],
                 **options,
             )
 
+        self._connect = connect
+        self._prefix = prefix
+        self._timeout = socket_timeout
+        self._channel = f"{prefix}settled"
+        self._feeds = Feeds()
+        self._address: Address | None = None
+        self._pipe: PipelinedConnection | None = None
+        self._client_of_own: AsyncClient | None = None
+        self._cluster: RedisCluster | None = None
+        if client is None and url is not None and not cluster and transport != "redis-py":
+            self._address = _plain_address(url)
+            if self._address is None:
+                raise ConfigurationError(
+                    "the pipelined transport takes a redis:// or unix:// URL with host, port, "
+                    "database and login only: for TLS or URL options pass transport='redis-py'"
+                )
+            self._pipe = PipelinedConnection(self._address, timeout=socket_timeout)
+            self._url: str | None = url
+            self._owns_client = True
+            self._where = _masked(url)
+            return
         made, self._owns_client = binary_client(
             url, client, connect, owner="RedisStore", holds="records hold binary response bodies"
         )
         # binary_client returns what it was given or what connect() made: one of these.
-        self._client = cast(AsyncClient, made)
+        self._client_of_own = cast(AsyncClient, made)
         # Known once: isinstance() on redis-py's generic client class costs microseconds.
         self._cluster = made if isinstance(made, RedisCluster) else None
-        self._prefix = prefix
-        self._timeout = socket_timeout
-        self._where = _masked(url) if url is not None else _address_of(self._client)
-        address = None if url is None or cluster else _plain_address(url)
-        self._pipe = (
-            None if address is None else PipelinedConnection(address, timeout=socket_timeout)
-        )
-        self._channel = f"{prefix}settled"
-        self._feeds = Feeds()
+        self._url = url
+        self._where = _masked(url) if url is not None else _address_of(self._client_of_own)
 
     def __repr__(self) -> str:
         return f"RedisStore({self._where})"
 
     @property
     def client(self) -> AsyncClient:
-        """A redis-py client on the store's server, for inspecting records."""
-        return self._client
+        """A redis-py client on the store's server, for inspecting records: the store's own,
+        or with the pipelined transport one made on first use (and closed by :meth:`aclose`);
+        the store itself never uses it then."""
+        if self._client_of_own is None:
+            assert self._url is not None  # only a store made from a URL has no client yet
+            self._client_of_own = self._connect(self._url)
+        return self._client_of_own
 
     @property
     def prefix(self) -> str:
@@ -210,9 +256,9 @@ class RedisStore(ClaimsWithToken):
                     await self._pipe.execute("SCRIPT", "LOAD", script.source)
                 return
             # Through redis-py, which sends these to every node of a cluster.
-            await self._client.ping()
+            await self.client.ping()
             for script in scripts.ALL:
-                await self._client.script_load(script.source)
+                await self.client.script_load(script.source)
 
         await self._call("startup check", check)
 
@@ -223,6 +269,19 @@ class RedisStore(ClaimsWithToken):
         One connection of its own subscribes to ``<prefix>settled``, opened here and again
         after a loss; on a cluster, to one node (every node relays a PUBLISH).
         """
+        if self._address is not None:
+            address = self._address
+
+            def relay(digest: bytes) -> None:
+                on_settled(_text(digest))
+
+            await self._feeds.run(
+                repr(self),
+                lambda: subscriber.listen(
+                    address, self._channel, relay, reply_timeout=self._timeout
+                ),
+            )
+            return
         await self._feeds.run(repr(self), lambda: self._listen(on_settled))
 
     async def _listen(self, on_settled: Callable[[str], None]) -> None:
@@ -235,7 +294,7 @@ class RedisStore(ClaimsWithToken):
             pool = ConnectionPool(connection_class=node.connection_class, **node.connection_kwargs)
             pubsub = PubSub(pool)
         else:
-            pubsub = self._client.pubsub()
+            pubsub = self.client.pubsub()
         try:
             async with asyncio.timeout(self._timeout):
                 await pubsub.subscribe(self._channel)
@@ -260,8 +319,8 @@ class RedisStore(ClaimsWithToken):
         await self._feeds.close()
         if self._pipe is not None:
             await self._pipe.aclose()
-        if self._owns_client:
-            await self._call("close", self._client.aclose)
+        if self._owns_client and self._client_of_own is not None:
+            await self._call("close", self._client_of_own.aclose)
 
     async def _run(self, operation: str, script: Script, redis_key: str, *args: Arg) -> Any:
         """Run ``script`` on one key; EVALSHA, or EVAL (which loads it) when Redis lacks it."""
@@ -281,18 +340,24 @@ class RedisStore(ClaimsWithToken):
     def _execute(self, *args: Arg) -> Awaitable[Any]:
         if self._pipe is not None:
             return self._pipe.execute(*args)
-        return self._client.execute_command(*args)
+        return self.client.execute_command(*args)
 
     async def _call(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` within ``socket_timeout``, however many connections it takes (a resend
+        after a lost or timed-out connection included); its failures become StoreError."""
         try:
-            return await call()
+            async with asyncio.timeout(self._timeout):
+                return await call()
         except (RedisError, OSError, TimeoutError) as exc:
             raise store_error(operation, repr(self), exc, self._timeout) from exc
 
 
 def _plain_address(url: str) -> Address | None:
     """Where a URL with no options beyond host, port, database and login points, else None."""
-    options: dict[str, Any] = dict(parse_url(url))
+    try:
+        options: dict[str, Any] = dict(parse_url(url))
+    except ValueError as exc:
+        raise ConfigurationError(f"not a Redis URL: {exc}") from exc
     # redis:// names no connection class; unix:// names the Unix one; rediss:// the TLS one.
     connection_class = options.pop("connection_class", None)
     plain = connection_class in (None, UnixDomainSocketConnection)

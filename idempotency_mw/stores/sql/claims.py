@@ -17,7 +17,7 @@ from sqlalchemy import cast, exists, func, null, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.sql.expression import Executable
 
-from idempotency_mw.stores.sql.drivers import Driver
+from idempotency_mw.stores.sql.drivers.base import Driver
 from idempotency_mw.stores.sql.schema import records
 from idempotency_mw.stores.sql.statements import (
     CAN_TAKE_OVER,
@@ -34,7 +34,9 @@ class ClaimSQL(abc.ABC):
     """One dialect's claim."""
 
     @abc.abstractmethod
-    async def attempt(self, driver: Driver, params: dict[str, Any]) -> tuple[Row | None, bool]:
+    async def attempt(
+        self, driver: Driver, params: dict[str, Any], deadline: float
+    ) -> tuple[Row | None, bool]:
         """The row of ``READ`` of a live record found (else ``None``), and whether the request
         took the key."""
 
@@ -50,9 +52,9 @@ def _upsert_returning(dialect: Any, rows: Any = None) -> Any:
     ).returning(records.c.token)
 
 
-async def _read_live(driver: Driver, params: dict[str, Any]) -> Row | None:
+async def _read_live(driver: Driver, params: dict[str, Any], deadline: float) -> Row | None:
     """The record of the key if it is live (its outcome needs no write), else ``None``."""
-    rows = await driver.fetch(READ, params)
+    rows = await driver.fetch(READ, params, deadline=deadline)
     return rows[0] if rows and not rows[0][-1] else None
 
 
@@ -73,11 +75,13 @@ class SQLiteClaim(ClaimSQL):
     def __init__(self) -> None:
         self._upsert = _upsert_returning(sqlite)
 
-    async def attempt(self, driver: Driver, params: dict[str, Any]) -> tuple[Row | None, bool]:
-        live = await _read_live(driver, params)
+    async def attempt(
+        self, driver: Driver, params: dict[str, Any], deadline: float
+    ) -> tuple[Row | None, bool]:
+        live = await _read_live(driver, params, deadline)
         if live is not None:
             return live, False
-        rows = await driver.fetch(self._upsert, params)
+        rows = await driver.fetch(self._upsert, params, deadline=deadline)
         return None, bool(rows) and rows[0][0] == params["p_token"]
 
 
@@ -111,8 +115,10 @@ class PostgreSQLClaim(ClaimSQL):
             select(taken.c.token).scalar_subquery(),
         )
 
-    async def attempt(self, driver: Driver, params: dict[str, Any]) -> tuple[Row | None, bool]:
-        *read, token = (await driver.fetch(self._statement, params))[0]
+    async def attempt(
+        self, driver: Driver, params: dict[str, Any], deadline: float
+    ) -> tuple[Row | None, bool]:
+        *read, token = (await driver.fetch(self._statement, params, deadline=deadline))[0]
         return (read if read[0] is not None else None), token == params["p_token"]
 
 
@@ -147,12 +153,14 @@ class MySQLClaim(ClaimSQL):
         ]
         self._upsert = insert.on_duplicate_key_update(assignments)
 
-    async def attempt(self, driver: Driver, params: dict[str, Any]) -> tuple[Row | None, bool]:
-        live = await _read_live(driver, params)
+    async def attempt(
+        self, driver: Driver, params: dict[str, Any], deadline: float
+    ) -> tuple[Row | None, bool]:
+        live = await _read_live(driver, params, deadline)
         if live is not None:
             return live, False
-        await driver.change(self._upsert, params)
-        rows = await driver.fetch(WINNER, params)
+        await driver.change(self._upsert, params, deadline=deadline)
+        rows = await driver.fetch(WINNER, params, deadline=deadline)
         return None, bool(rows) and rows[0][0] == params["p_token"]
 
 

@@ -13,7 +13,9 @@ from typing import Any
 
 from idempotency_mw.exceptions import SettlementFeedUnsupported
 from idempotency_mw.stores.feed import CHECK_AFTER
-from idempotency_mw.stores.sql.drivers import AsyncpgDriver, Driver, SQLAlchemyDriver
+from idempotency_mw.stores.sql.drivers.base import Driver
+from idempotency_mw.stores.sql.drivers.engine import SQLAlchemyDriver
+from idempotency_mw.stores.sql.drivers.postgresql import AsyncpgDriver
 from idempotency_mw.stores.sql.statements import SETTLED_CHANNEL
 
 #: How the listening connection shows in ``pg_stat_activity``.

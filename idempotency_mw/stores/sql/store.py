@@ -26,7 +26,7 @@ from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.stores.feed import Feeds
 from idempotency_mw.stores.sql import notify
 from idempotency_mw.stores.sql.claims import CLAIMS
-from idempotency_mw.stores.sql.drivers import Synchronous, deadline, driver_for
+from idempotency_mw.stores.sql.drivers import DriverChoice, Synchronous, open_driver
 from idempotency_mw.stores.sql.schema import check_schema
 from idempotency_mw.stores.sql.statements import FENCE, PURGES, RENEW, SETTLING, SILENT
 
@@ -39,14 +39,16 @@ class SQLStore(ClaimsWithToken):
     """Idempotency records in the ``idempotency_records`` table of a SQL database.
 
     ``database`` is a SQLAlchemy URL (with or without an async driver name) or an
-    :class:`~sqlalchemy.ext.asyncio.AsyncEngine`, which the store never disposes. From a URL the
-    store picks the fastest safe driver: asyncpg for PostgreSQL, asyncmy for MariaDB/MySQL, the
-    standard library's sqlite3 for a SQLite file, and SQLAlchemy's async engine otherwise.
+    :class:`~sqlalchemy.ext.asyncio.AsyncEngine`, which the store never disposes and runs
+    through SQLAlchemy. From a URL the store uses its native driver for the backend (asyncpg
+    for PostgreSQL, asyncmy for MariaDB/MySQL, the standard library's sqlite3 for a SQLite
+    file), unless ``driver="sqlalchemy"``, and SQLAlchemy's async engine for any other driver
+    the URL names (see :func:`~idempotency_mw.stores.sql.drivers.open_driver`).
     ``operation_timeout`` bounds every database call (seconds). The store switches a SQLite
     file to WAL journal mode, in which readers and a writer of several processes do not wait
     for each other, with ``synchronous=FULL``: a commit survives a power cut.
     ``sqlite_wal=False`` leaves the file's journal mode as it is;
-    ``sqlite_synchronous="NORMAL"`` makes commits about ten times cheaper, and a power cut can
+    ``sqlite_synchronous="NORMAL"`` makes commits much cheaper (no fsync each), and a power cut can
     then lose the latest ones (never corrupt the file).
 
     With ``settlement_notices=True``, on PostgreSQL, the store also offers a
@@ -62,12 +64,16 @@ class SQLStore(ClaimsWithToken):
         database: str | URL | AsyncEngine,
         *,
         operation_timeout: float = 10.0,
+        driver: DriverChoice | None = None,
         sqlite_wal: bool | None = None,
         sqlite_synchronous: Synchronous = "FULL",
         settlement_notices: bool = False,
     ) -> None:
-        self._driver = driver_for(
-            database, sqlite_wal=sqlite_wal, sqlite_synchronous=sqlite_synchronous
+        self._driver = open_driver(
+            database,
+            driver=driver,
+            sqlite_wal=sqlite_wal,
+            sqlite_synchronous=sqlite_synchronous,
         )
         self._operation_timeout = operation_timeout
         self._errors: tuple[type[Exception], ...] = (
@@ -108,7 +114,9 @@ class SQLStore(ClaimsWithToken):
         # statement). Otherwise the atomic upsert decides; if another request won it in between,
         # the next attempt reads that request's record.
         for _ in range(3):
-            live, taken = await self._call("claim", self._claim_sql.attempt(self._driver, params))
+            live, taken = await self._call(
+                "claim", lambda ends: self._claim_sql.attempt(self._driver, params, ends)
+            )
             if taken:
                 return Claim(ClaimOutcome.ACQUIRED, token=token)
             existing = _outcome_of(live, fingerprint, token, binding)
@@ -118,7 +126,7 @@ class SQLStore(ClaimsWithToken):
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
         params = {**_record_of(scope, key), "p_token": token, "p_lease_ms": int(lease * 1000)}
-        return await self._call("renew", self._driver.change(RENEW, params)) == 1
+        return await self._call("renew", lambda ends: self._change(RENEW, params, ends)) == 1
 
     async def complete(
         self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
@@ -154,8 +162,11 @@ class SQLStore(ClaimsWithToken):
         """Run a statement that settles the record: whether it changed it."""
         if self._settling.announce:
             params = {**params, "p_digest": key_hash(scope, key)}
-            return len(await self._call(operation, self._driver.fetch(statement, params))) == 1
-        return await self._call(operation, self._driver.change(statement, params)) == 1
+            rows = await self._call(
+                operation, lambda ends: self._driver.fetch(statement, params, deadline=ends)
+            )
+            return len(rows) == 1
+        return await self._call(operation, lambda ends: self._change(statement, params, ends)) == 1
 
     async def watch_settlements(self, on_settled: Callable[[str], None]) -> None:
         """Pass the digest of each record any worker settles to ``on_settled``, until cancelled
@@ -192,27 +203,30 @@ class SQLStore(ClaimsWithToken):
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
         params = {"p_batch_size": batch_size}
-        return await self._call("purge", self._driver.change(self._purge, params))
+        return await self._call("purge", lambda ends: self._change(self._purge, params, ends))
 
     async def startup(self) -> None:
-        await self._call("startup check", self._driver.run_sync(check_schema))
+        await self._call(
+            "startup check", lambda ends: self._driver.run_sync(check_schema, deadline=ends)
+        )
 
     async def aclose(self) -> None:
         await self._feeds.close()
         await self._driver.aclose()
 
-    async def _call(self, operation: str, call: Awaitable[T]) -> T:
-        """Await a driver call within the operation timeout; its failures become StoreError."""
+    def _change(self, statement: Executable, params: dict[str, Any], ends: float) -> Awaitable[int]:
+        return self._driver.change(statement, params, deadline=ends)
+
+    async def _call(self, operation: str, call: Callable[[float], Awaitable[T]]) -> T:
+        """``call(deadline)`` within the operation timeout; its failures become StoreError."""
         # Work the driver hands to a thread must give up before the caller stops waiting: a
         # statement that ran after the request was answered 503 would hold the key for nothing.
-        ends = deadline.set(time.monotonic() + self._operation_timeout * _THREAD_SHARE)
+        ends = time.monotonic() + self._operation_timeout * _THREAD_SHARE
         try:
             async with asyncio.timeout(self._operation_timeout):
-                return await call
+                return await call(ends)
         except self._errors as exc:
             raise store_error(operation, repr(self), exc, self._operation_timeout) from exc
-        finally:
-            deadline.reset(ends)
 
 
 _DIGEST = "sha256:"

@@ -16,13 +16,15 @@ class StatementPool:
 
     The store's statements run in autocommit and set no session state, so a connection goes
     back to the idle list the moment its statement ends: no reset, no proxy and no task per
-    release, which asyncpg's own pool spends on every statement (about 70 µs of CPU here).
+    release, which asyncpg's own pool spends on every statement (benchmarks/profiling.py
+    measures both).
 
     A connection whose statement was interrupted (cancelled, timed out) or failed other than by
     the server's answer (``PostgresError``) is never reused: it is closed in the background,
     which first has the server cancel the statement (asyncpg sends the cancel request).
     Connections idle longer than ``max_idle`` seconds are terminated, as asyncpg's pool does,
-    so that a server or proxy that drops idle connections does not fail a statement later.
+    so that a server or proxy that drops idle connections does not fail a statement later: a
+    timer watches the oldest idle connection, whether traffic comes or not.
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class StatementPool:
         #: Idle connections, each with when it became idle; the most recent last.
         self._idle: list[tuple[Any, float]] = []
         self._closing: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.TimerHandle | None = None
         self._closed = False
 
     async def fetch(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
@@ -85,13 +88,20 @@ class StatementPool:
         if self._closed or connection.is_closed():
             connection.terminate()
             return
-        now = time.monotonic()
-        self._idle.append((connection, now))
-        # The least recently used connection is first: close it once it has idled too long.
-        oldest, since = self._idle[0]
-        if since <= now - self._max_idle:
-            del self._idle[0]
-            oldest.terminate()
+        self._idle.append((connection, time.monotonic()))
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().call_later(self._max_idle, self._reap)
+
+    def _reap(self) -> None:
+        """Terminate the connections idle past ``max_idle``; watch the oldest of the others."""
+        self._reaper = None
+        stale_before = time.monotonic() - self._max_idle
+        # The least recently used connection is first.
+        while self._idle and self._idle[0][1] <= stale_before:
+            self._idle.pop(0)[0].terminate()
+        if self._idle:
+            wait = self._idle[0][1] - stale_before
+            self._reaper = asyncio.get_running_loop().call_later(wait, self._reap)
 
     def _retire(self, connection: Any) -> None:
         task = asyncio.get_running_loop().create_task(_close(connection))
@@ -102,6 +112,9 @@ class StatementPool:
         """Close the idle connections and wait for those being closed; those in use close when
         their statement ends."""
         self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         idle, self._idle = self._idle, []
         await asyncio.gather(*(_close(connection) for connection, _ in idle), *self._closing)
 
