@@ -25,7 +25,7 @@ from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
 
 if TYPE_CHECKING:
-    from idempotency_mw.admin import RecordView, ReleaseResult, StoreStats
+    from idempotency_mw.admin import Lookup, RecordView, ReleaseResult, StoreStats
 
 T = TypeVar("T")
 
@@ -91,29 +91,16 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    print(f"{PROG}: {_run(_purged(args.url, args.batch_size), args.timeout)}")
+    print(f"{PROG}: {_run(_purged(args.url, args.batch_size, args.prefix), args.timeout)}")
     return 0
 
 
-async def _purged(url: str, batch_size: int) -> str:
-    from idempotency_mw.admin import is_redis_url
+async def _purged(url: str, batch_size: int, prefix: str) -> str:
+    from idempotency_mw.admin import open_store
     from idempotency_mw.cleanup import purge
-    from idempotency_mw.stores.base import Store
 
-    store: Store
-    if is_redis_url(url):
-        from idempotency_mw.stores.redis import RedisStore
-
-        store = RedisStore(url)
-    else:
-        from idempotency_mw.stores.sql import SQLStore
-
-        store = SQLStore(url)
-    try:
-        await store.startup()  # a missing table: the command to run, not "no such table"
+    async with open_store(url, prefix=prefix) as store:
         report = await purge(store, batch_size=batch_size)
-    finally:
-        await store.aclose()
     if report.self_expiring:
         return "Redis expires records by itself (TTL): nothing to purge"
     return (
@@ -130,22 +117,33 @@ async def _purged(url: str, batch_size: int) -> str:
 def _inspect(args: argparse.Namespace) -> int:
     from idempotency_mw import admin
 
-    record = _run(
+    lookup = _run(
         admin.inspect(
             args.url, args.key, scope=args.scope, with_body=args.body, prefix=args.prefix
         ),
         args.timeout,
     )
+    record = lookup.record
     if args.json:
         _print_json(None if record is None else _record_json(record))
     if record is None:
-        raise _Failed(f"no record of key {args.key!r} in scope {args.scope!r}")
+        raise _Failed(f"no record of key {args.key!r} in scope {args.scope!r}{_elsewhere(lookup)}")
     if not args.json:
         _print_record(record)
         if record.body is not None:
             print()
             sys.stdout.write(record.body.decode("utf-8", "replace"))
     return 0
+
+
+def _elsewhere(lookup: Lookup) -> str:
+    """Where else the key has records, as a hint for the operator."""
+    if lookup.other_scopes is None:
+        return " (Redis names records by a digest of scope and key: give the right --scope)"
+    if not lookup.other_scopes:
+        return ""
+    scopes = ", ".join(repr(scope) for scope in lookup.other_scopes)
+    return f"; the key has records in other scopes: {scopes} (give one with --scope)"
 
 
 def _release(args: argparse.Namespace) -> int:
@@ -172,6 +170,11 @@ def _release(args: argparse.Namespace) -> int:
             raise _Failed(f"no record of {described}: nothing to release")
         case ReleaseOutcome.REFUSED:
             assert result.record is not None
+            if result.record.in_progress:
+                raise _Failed(
+                    f"{described} is in progress, and its effect was committed (a fenced "
+                    "commit): releasing it would run it again; --force deletes it anyway"
+                )
             raise _Failed(
                 f"{described} is {result.record.status}, not in progress: its response is "
                 "what retries get; --force deletes it anyway (its next request then runs again)"
@@ -242,7 +245,7 @@ def _print_record(record: RecordView) -> None:
         response = f"{record.response_status}, {_size(record.response_size)}"
     rows = [
         ("key", f"{record.key!r} in scope {record.scope!r}"),
-        ("status", record.status + (" (expired: treated as absent)" if record.expired else "")),
+        ("status", _status(record)),
         ("request hash", record.request_hash),
         ("created", _when(record.created_at, now)),
         ("lease until", _when(record.lease_expires_at, now)),
@@ -253,9 +256,22 @@ def _print_record(record: RecordView) -> None:
     _print_rows(rows)
 
 
+def _status(record: RecordView) -> str:
+    shown = str(record.status)
+    if record.fenced:
+        shown += ", effect committed (fenced)"
+    if record.expired:
+        shown += " (expired: treated as absent)"
+    elif record.stuck:
+        shown += " (its lease lapsed: stuck until a retry takes it or it is released)"
+    return shown
+
+
 def _print_stats(stats: StoreStats) -> None:
     rows = [("records", f"{stats.total:,}")]
     rows += [(f"  {status}", f"{count:,}") for status, count in stats.by_status.items()]
+    fenced = "- (no fenced commits in this store)" if stats.fenced is None else f"{stats.fenced:,}"
+    rows.append(("fenced (effect committed)", fenced))
     expired = "- (Redis deletes them itself)" if stats.expired is None else f"{stats.expired:,}"
     rows += [
         ("expired, awaiting purge", expired),
@@ -275,6 +291,7 @@ def _record_json(record: RecordView) -> dict[str, Any]:
         "scope": record.scope,
         "key": record.key,
         "status": record.status.value,
+        "fenced": record.fenced,
         "expired": record.expired,
         "request_hash": record.request_hash,
         "created_at": _iso(record.created_at),
@@ -298,6 +315,7 @@ def _stats_json(stats: StoreStats) -> dict[str, Any]:
     return {
         "total": stats.total,
         "by_status": {status.value: count for status, count in stats.by_status.items()},
+        "fenced": stats.fenced,
         "expired": stats.expired,
         "oldest_in_progress": _iso(stats.oldest_in_progress),
         "size_bytes": stats.size_bytes,
@@ -372,16 +390,19 @@ def _parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    def store_options(sub: Any, *, keyed: bool) -> None:
-        sub.add_argument("--url", required=True, help="database or redis:// URL of the store")
-        if keyed:
-            sub.add_argument("key", help="the Idempotency-Key, as the client sent it")
-            sub.add_argument("--scope", default="", help="the caller scope (default: none)")
+    def prefix_option(sub: Any) -> None:
         sub.add_argument(
             "--prefix",
             default=DEFAULT_REDIS_PREFIX,
             help=f"Redis key prefix of the store (default: {DEFAULT_REDIS_PREFIX})",
         )
+
+    def store_options(sub: Any, *, keyed: bool) -> None:
+        sub.add_argument("--url", required=True, help="database or redis:// URL of the store")
+        if keyed:
+            sub.add_argument("key", help="the Idempotency-Key, as the client sent it")
+            sub.add_argument("--scope", default="", help="the caller scope (default: none)")
+        prefix_option(sub)
         sub.add_argument(
             "--timeout",
             type=float,
@@ -399,6 +420,7 @@ def _parser() -> argparse.ArgumentParser:
 
     purge = command("purge", _purge, "delete expired records now")
     purge.add_argument("--url", required=True, help="database or redis:// URL")
+    prefix_option(purge)
     purge.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="rows per transaction"
     )
