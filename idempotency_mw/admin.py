@@ -40,6 +40,25 @@ def utc_ms(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, UTC)
 
 
+def relative_time(moment: datetime, now: datetime) -> str:
+    """``moment`` as an operator reads it beside ``now``: "in 5 min", "2 h 3 min ago"."""
+    seconds = (moment - now).total_seconds()
+    return f"in {_duration(seconds)}" if seconds >= 0 else f"{_duration(-seconds)} ago"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    minutes = int(seconds // 60)
+    if minutes < 120:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours} h {minutes} min"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h"
+
+
 def record_version(token: str, status: RecordStatus, fenced: bool) -> str:
     """What tells one state of a record from another: a release acts only on the state it saw.
 

@@ -15,12 +15,13 @@ import base64
 import json
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from idempotency_mw._version import __version__
-from idempotency_mw.admin import DEFAULT_REDIS_PREFIX
+from idempotency_mw.admin import DEFAULT_REDIS_PREFIX, relative_time
 from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
 
@@ -39,6 +40,8 @@ EXTRA_OF_MODULE = {
     "alembic": "sql",
     "redis": "redis",
     "hiredis": "redis",
+    "uvicorn": "panel",
+    "httpx": "client",
 }
 DEFAULT_TIMEOUT = 30.0
 
@@ -197,28 +200,47 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- the panel ----------------------------------------------------------------------------------
+
+
+def _panel(args: argparse.Namespace) -> int:
+    if args.journal is not None and "://" not in args.journal and not Path(args.journal).is_file():
+        raise _Failed(f"no journal file at {args.journal}", 2)
+    asyncio.run(_serve_panel(args))
+    return 0
+
+
+async def _serve_panel(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from idempotency_mw.admin import open_store
+    from idempotency_mw.panel import panel
+
+    async with AsyncExitStack() as stack:
+        store = await stack.enter_async_context(open_store(args.store, prefix=args.prefix))
+        journal = client = None
+        if args.journal is not None:
+            from idempotency_mw.client import IdempotentClient, open_journal
+
+            journal = open_journal(args.journal)
+            stack.callback(journal.close)
+            client = IdempotentClient(journal=journal)
+            stack.push_async_callback(client.aclose)
+        app = panel(store, journal=journal, client=client, actions=args.actions, limit=args.limit)
+        mode = "actions on, each confirmed on its page" if args.actions else "read-only"
+        print(f"{PROG}: the panel is at http://127.0.0.1:{args.port}/ ({mode}); Ctrl-C stops it")
+        config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning")
+        await uvicorn.Server(config).serve()
+
+
 # --- printing -----------------------------------------------------------------------------------
 
 
 def _when(moment: datetime | None, now: datetime) -> str:
     if moment is None:
         return "-"
-    seconds = (moment - now).total_seconds()
-    relative = f"in {_duration(seconds)}" if seconds >= 0 else f"{_duration(-seconds)} ago"
-    return f"{moment:%Y-%m-%d %H:%M:%S}.{moment.microsecond // 1000:03d} UTC ({relative})"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    minutes = int(seconds // 60)
-    if minutes < 120:
-        return f"{minutes} min"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours} h {minutes} min"
-    days, hours = divmod(hours, 24)
-    return f"{days} d {hours} h"
+    shown = f"{moment:%Y-%m-%d %H:%M:%S}.{moment.microsecond // 1000:03d} UTC"
+    return f"{shown} ({relative_time(moment, now)})"
 
 
 def _size(size: int | None) -> str:
@@ -442,6 +464,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     stats = command("stats", _stats, "count records by status, expired ones, the table's size")
     store_options(stats, keyed=False)
+
+    served = command(
+        "panel",
+        _panel,
+        "serve the operator's web panel on 127.0.0.1 (read-only unless --actions)",
+    )
+    served.add_argument("--store", required=True, help="database or redis:// URL of the store")
+    prefix_option(served)
+    served.add_argument(
+        "--journal", help="a client's journal: SQLite path, database URL or redis:// URL"
+    )
+    served.add_argument(
+        "--actions",
+        action="store_true",
+        help="offer the actions (release, retry, mark), each confirmed on its own page",
+    )
+    served.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (default: 8765)")
+    served.add_argument("--limit", type=int, default=50, help="records per list (default: 50)")
 
     journal = commands.add_parser("journal", help="look into a client's journal")
     actions = journal.add_subparsers(dest="action", required=True)

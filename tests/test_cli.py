@@ -544,3 +544,18 @@ async def test_release_refuses_a_fenced_claim_unless_forced(
     assert retry.outcome is ClaimOutcome.IN_PROGRESS  # still held, not run again
     code, shown = await sql_target.json(capsys, "release", "paying", "--force")
     assert (code, shown["outcome"]) == (0, "released")
+
+
+# --- panel --------------------------------------------------------------------------------------
+
+
+def test_the_panel_refuses_a_missing_store_or_journal_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "typo.db"
+    assert main(["panel", "--store", f"sqlite:///{missing}"]) == 2
+    assert _one_line(capsys.readouterr().err) == f"idempotency-mw: no SQLite database at {missing}"
+    assert not missing.exists()
+    journal = tmp_path / "typo.sqlite3"
+    assert main(["panel", "--store", REDIS_URL, "--journal", str(journal)]) == 2
+    assert _one_line(capsys.readouterr().err) == f"idempotency-mw: no journal file at {journal}"
