@@ -1,8 +1,10 @@
-"""The ``idempotency-mw`` command: migrations, the purge, and an operator's look at a store.
+"""The ``idempotency-mw`` command: migrations, the purge, an operator's look at a store, and
+the operator's web panel.
 
-Parsing and printing only; the work is done by :mod:`idempotency_mw.admin`, the purge and the
-packaged Alembic revisions. Drivers are imported only by the command that needs them, so a
-missing one is reported with the extra that installs it. Every error is one line on stderr;
+Parsing and printing only; the work is done by the stores (through :mod:`idempotency_mw.admin`),
+:mod:`idempotency_mw.panel`, the purge and the packaged Alembic revisions. Drivers are imported
+only by the command that needs them, so a missing one is reported with the extra that installs
+it. Every error is one line on stderr;
 exit codes: 0 done, 1 not done (the store failed, no such record, a release refused),
 2 bad arguments, a missing driver or a missing table.
 """
@@ -462,7 +464,9 @@ def _parser() -> argparse.ArgumentParser:
     release.add_argument(
         "--force", action="store_true", help="delete a completed record too (no more replays)"
     )
-    stats = command("stats", _stats, "count records by status, expired ones, the table's size")
+    stats = command(
+        "stats", _stats, "count records by status, fenced and expired ones, the table's size"
+    )
     store_options(stats, keyed=False)
 
     served = command(
