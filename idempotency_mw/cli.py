@@ -219,7 +219,11 @@ async def _serve_panel(args: argparse.Namespace) -> None:
     from idempotency_mw.panel import panel
 
     async with AsyncExitStack() as stack:
-        store = await stack.enter_async_context(open_store(args.store, prefix=args.prefix))
+        try:
+            async with asyncio.timeout(DEFAULT_TIMEOUT):
+                store = await stack.enter_async_context(open_store(args.store, prefix=args.prefix))
+        except TimeoutError as exc:
+            raise _Failed(f"the store did not answer within {DEFAULT_TIMEOUT:g} s") from exc
         journal = client = None
         if args.journal is not None:
             from idempotency_mw.client import IdempotentClient, open_journal

@@ -20,7 +20,7 @@ import string
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from importlib.resources import files
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, urlencode
 
 import anyio.to_thread
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["panel"]
 
+T = TypeVar("T")
 logger = logging.getLogger("idempotency_mw.panel")
 
 _PAGE = string.Template(
@@ -336,7 +337,7 @@ class _Panel:
             assert journal is not None
             state = OperationState(action)
             try:
-                await anyio.to_thread.run_sync(resolve, journal, entry.key, state, note)
+                await _journal_call(resolve, journal, entry.key, state, note)
             except ConfigurationError as exc:
                 raise _Refused(f"Not marked: {exc}. Nothing changed.", 409) from exc
             kind, message = "ok", f"Marked {action}; the note is journaled with it."
@@ -514,19 +515,22 @@ class _Panel:
     async def _needing_attention(self) -> list[tuple[AttentionRow, JournalEntry]]:
         """The journal's operations that need a person: each as listed, and as journaled."""
         from idempotency_mw.client.attention import attention_rows
+        from idempotency_mw.client.core import key_digest
         from idempotency_mw.client.journals import needing_attention
 
         if self._journal is None:
             raise _Refused("The panel was given no journal.", 404)
 
         def read(journal: Journal) -> list[tuple[AttentionRow, JournalEntry]]:
-            return list(zip(attention_rows(journal), needing_attention(journal), strict=False))
+            # Two reads of the journal: a pair whose operation changed between them is left out.
+            pairs = zip(attention_rows(journal), needing_attention(journal), strict=False)
+            return [(row, entry) for row, entry in pairs if row.key == key_digest(entry.key)]
 
-        return await anyio.to_thread.run_sync(read, self._journal)
+        return await _journal_call(read, self._journal)
 
     async def _entry(self, digest: str) -> tuple[AttentionRow, JournalEntry]:
         for row, entry in await self._needing_attention():
-            if hmac.compare_digest(row.key, digest) and row.name == entry.name:
+            if hmac.compare_digest(row.key, digest):
                 return row, entry
         raise _Refused("No such operation needs attention (it may be resolved already).", 404)
 
@@ -555,6 +559,18 @@ class _Panel:
             raise _Refused(str(exc)) from exc
         except StoreError as exc:
             raise _Refused(f"The store failed: {exc}", 503) from exc
+
+
+async def _journal_call(call: Callable[..., T], *args: Any) -> T:
+    """A journal's blocking call, in a worker thread."""
+    try:
+        return await anyio.to_thread.run_sync(call, *args)
+    except ConfigurationError:
+        raise
+    except Exception as exc:
+        # Journals raise their drivers' errors as they are (SQLAlchemy's, redis-py's): a page
+        # that says the journal failed, never a 500.
+        raise _Refused(f"The journal failed: {describe(exc)}", 503) from exc
 
 
 def _status_of(value: str) -> RecordStatus:

@@ -273,6 +273,19 @@ async def test_a_store_that_fails_is_a_503_page() -> None:
     assert "The store failed" in answer.text
 
 
+async def test_a_journal_that_fails_is_a_503_page() -> None:
+    from idempotency_mw.client import SQLJournal
+
+    journal = SQLJournal("postgresql://app@127.0.0.1:1/app")  # nothing listens there
+    try:
+        async with http_on(panel(MemoryStore(), journal=journal)) as http:
+            answer = await http.get("/ops/")
+    finally:
+        journal.close()
+    assert answer.status_code == 503
+    assert "The journal failed" in answer.text
+
+
 # --- in a real browser --------------------------------------------------------------------------
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
