@@ -174,6 +174,13 @@ class _Panel:
         actions: bool,
         limit: int,
     ) -> None:
+        from idempotency_mw.stores.base import Inspectable
+
+        if not isinstance(store, Inspectable):
+            raise ConfigurationError(
+                f"the panel needs a store it can inspect (SQLStore, RedisStore, MemoryStore, or "
+                f"one that implements Inspectable); {store!r} does not"
+            )
         if limit < 1:
             raise ConfigurationError("the panel's limit must be at least 1")
         self._store = store

@@ -264,6 +264,18 @@ async def test_bad_input_is_a_clear_page_never_a_500(
     assert "Nothing changed" in answer.text or "nothing changed" in answer.text.lower()
 
 
+def test_a_store_it_cannot_inspect_or_a_bad_limit_is_refused_at_once() -> None:
+    from idempotency_mw.exceptions import ConfigurationError
+
+    class Opaque(MemoryStore):
+        find_record = None  # type: ignore[assignment]
+
+    with pytest.raises(ConfigurationError, match="a store it can inspect"):
+        panel(Opaque())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="limit"):
+        panel(MemoryStore(), limit=0)
+
+
 async def test_a_store_that_fails_is_a_503_page() -> None:
     store = RedisStore("redis://127.0.0.1:1/0", socket_timeout=1)
     async with http_on(panel(store)) as http:
