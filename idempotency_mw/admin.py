@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from idempotency_mw.stores.base import Inspectable, Store
 
 DEFAULT_REDIS_PREFIX = "idem:"
+#: How many of a key's other scopes :func:`inspect` names.
+_SCOPES_SHOWN = 10
 _REDIS_SCHEMES = ("redis:", "rediss:", "unix:")
 
 
@@ -201,9 +203,6 @@ async def inspect(
             return Lookup(dataclasses.replace(record, scope=scope, key=key))
         others = await store.scopes_of(key, limit=_SCOPES_SHOWN)
     return Lookup(None, None if others is None else tuple(others))
-
-
-_SCOPES_SHOWN = 10
 
 
 async def release(
