@@ -54,6 +54,18 @@ _PAGE = string.Template(
 )
 #: Request headers whose values the panel never shows.
 _SECRET_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization", "x-api-key"})
+#: Pages are never framed by another site (a click on a confirmation page is the operator's),
+#: run no script, are not cached, and send no referrer (URLs name records).
+_HEADERS = {
+    "content-security-policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "x-frame-options": "DENY",
+    "cache-control": "no-store",
+    "referrer-policy": "no-referrer",
+    "x-content-type-options": "nosniff",
+}
 _MAX_FORM = 16 * 1024
 _MAX_SHOWN = 8 * 1024
 _JOURNAL_ACTIONS = {"retry": "Retry now", "confirmed": "Mark confirmed", "failed": "Mark failed"}
@@ -473,7 +485,7 @@ class _Panel:
             mode="actions on" if self._actions else "read-only",
             body=body,
         )
-        return HTMLResponse(page, status_code=status_code)
+        return HTMLResponse(page, status_code=status_code, headers=_HEADERS)
 
     def _result(self, request: Request, kind: str, message: str, status_code: int) -> Response:
         back = f'<p><a class="button plain" href="{_e(request.url_for("home"))}">Back</a></p>'

@@ -106,7 +106,10 @@ async def test_the_overview_shows_the_store_and_the_journal(journal: SQLiteJourn
     await completed(store, "order-19")
     needing_a_person(journal, "k-refund", "refund", url="http://api.test/refunds")
     async with http_on(panel(store, journal=journal)) as http:
-        page = (await http.get("/ops/")).text
+        answer = await http.get("/ops/")
+        page = answer.text
+        assert "frame-ancestors 'none'" in answer.headers["content-security-policy"]
+        assert answer.headers["x-frame-options"] == "DENY"
         (stuck_part,) = re.findall(r"Stuck in progress.*?</section>", page, re.S)
         assert "order-17" in stuck_part
         assert "order-18" not in stuck_part
