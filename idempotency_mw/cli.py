@@ -1,8 +1,10 @@
-"""The ``idempotency-mw`` command: migrations, the purge, and an operator's look at a store.
+"""The ``idempotency-mw`` command: migrations, the purge, an operator's look at a store, and
+the operator's web panel.
 
-Parsing and printing only; the work is done by :mod:`idempotency_mw.admin`, the purge and the
-packaged Alembic revisions. Drivers are imported only by the command that needs them, so a
-missing one is reported with the extra that installs it. Every error is one line on stderr;
+Parsing and printing only; the work is done by the stores (through :mod:`idempotency_mw.admin`),
+:mod:`idempotency_mw.panel`, the purge and the packaged Alembic revisions. Drivers are imported
+only by the command that needs them, so a missing one is reported with the extra that installs
+it. Every error is one line on stderr;
 exit codes: 0 done, 1 not done (the store failed, no such record, a release refused),
 2 bad arguments, a missing driver or a missing table.
 """
@@ -15,17 +17,18 @@ import base64
 import json
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from idempotency_mw._version import __version__
-from idempotency_mw.admin import DEFAULT_REDIS_PREFIX
+from idempotency_mw.admin import DEFAULT_REDIS_PREFIX, relative_time
 from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
 
 if TYPE_CHECKING:
-    from idempotency_mw.admin import RecordView, ReleaseResult, StoreStats
+    from idempotency_mw.admin import Lookup, RecordView, ReleaseResult, StoreStats
 
 T = TypeVar("T")
 
@@ -39,6 +42,8 @@ EXTRA_OF_MODULE = {
     "alembic": "sql",
     "redis": "redis",
     "hiredis": "redis",
+    "uvicorn": "panel",
+    "httpx": "client",
 }
 DEFAULT_TIMEOUT = 30.0
 
@@ -91,29 +96,16 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    print(f"{PROG}: {_run(_purged(args.url, args.batch_size), args.timeout)}")
+    print(f"{PROG}: {_run(_purged(args.url, args.batch_size, args.prefix), args.timeout)}")
     return 0
 
 
-async def _purged(url: str, batch_size: int) -> str:
-    from idempotency_mw.admin import is_redis_url
+async def _purged(url: str, batch_size: int, prefix: str) -> str:
+    from idempotency_mw.admin import open_store
     from idempotency_mw.cleanup import purge
-    from idempotency_mw.stores.base import Store
 
-    store: Store
-    if is_redis_url(url):
-        from idempotency_mw.stores.redis import RedisStore
-
-        store = RedisStore(url)
-    else:
-        from idempotency_mw.stores.sql import SQLStore
-
-        store = SQLStore(url)
-    try:
-        await store.startup()  # a missing table: the command to run, not "no such table"
+    async with open_store(url, prefix=prefix) as store:
         report = await purge(store, batch_size=batch_size)
-    finally:
-        await store.aclose()
     if report.self_expiring:
         return "Redis expires records by itself (TTL): nothing to purge"
     return (
@@ -130,22 +122,33 @@ async def _purged(url: str, batch_size: int) -> str:
 def _inspect(args: argparse.Namespace) -> int:
     from idempotency_mw import admin
 
-    record = _run(
+    lookup = _run(
         admin.inspect(
             args.url, args.key, scope=args.scope, with_body=args.body, prefix=args.prefix
         ),
         args.timeout,
     )
+    record = lookup.record
     if args.json:
         _print_json(None if record is None else _record_json(record))
     if record is None:
-        raise _Failed(f"no record of key {args.key!r} in scope {args.scope!r}")
+        raise _Failed(f"no record of key {args.key!r} in scope {args.scope!r}{_elsewhere(lookup)}")
     if not args.json:
         _print_record(record)
         if record.body is not None:
             print()
             sys.stdout.write(record.body.decode("utf-8", "replace"))
     return 0
+
+
+def _elsewhere(lookup: Lookup) -> str:
+    """Where else the key has records, as a hint for the operator."""
+    if lookup.other_scopes is None:
+        return " (Redis names records by a digest of scope and key: give the right --scope)"
+    if not lookup.other_scopes:
+        return ""
+    scopes = ", ".join(repr(scope) for scope in lookup.other_scopes)
+    return f"; the key has records in other scopes: {scopes} (give one with --scope)"
 
 
 def _release(args: argparse.Namespace) -> int:
@@ -172,6 +175,11 @@ def _release(args: argparse.Namespace) -> int:
             raise _Failed(f"no record of {described}: nothing to release")
         case ReleaseOutcome.REFUSED:
             assert result.record is not None
+            if result.record.in_progress:
+                raise _Failed(
+                    f"{described} is in progress, and its effect was committed (a fenced "
+                    "commit): releasing it would run it again; --force deletes it anyway"
+                )
             raise _Failed(
                 f"{described} is {result.record.status}, not in progress: its response is "
                 "what retries get; --force deletes it anyway (its next request then runs again)"
@@ -194,28 +202,51 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- the panel ----------------------------------------------------------------------------------
+
+
+def _panel(args: argparse.Namespace) -> int:
+    if args.journal is not None and "://" not in args.journal and not Path(args.journal).is_file():
+        raise _Failed(f"no journal file at {args.journal}", 2)
+    asyncio.run(_serve_panel(args))
+    return 0
+
+
+async def _serve_panel(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from idempotency_mw.admin import open_store
+    from idempotency_mw.panel import panel
+
+    async with AsyncExitStack() as stack:
+        try:
+            async with asyncio.timeout(DEFAULT_TIMEOUT):
+                store = await stack.enter_async_context(open_store(args.store, prefix=args.prefix))
+        except TimeoutError as exc:
+            raise _Failed(f"the store did not answer within {DEFAULT_TIMEOUT:g} s") from exc
+        journal = client = None
+        if args.journal is not None:
+            from idempotency_mw.client import IdempotentClient, open_journal
+
+            journal = open_journal(args.journal)
+            stack.callback(journal.close)
+            client = IdempotentClient(journal=journal)
+            stack.push_async_callback(client.aclose)
+        app = panel(store, journal=journal, client=client, actions=args.actions, limit=args.limit)
+        mode = "actions on, each confirmed on its page" if args.actions else "read-only"
+        print(f"{PROG}: the panel is at http://127.0.0.1:{args.port}/ ({mode}); Ctrl-C stops it")
+        config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning")
+        await uvicorn.Server(config).serve()
+
+
 # --- printing -----------------------------------------------------------------------------------
 
 
 def _when(moment: datetime | None, now: datetime) -> str:
     if moment is None:
         return "-"
-    seconds = (moment - now).total_seconds()
-    relative = f"in {_duration(seconds)}" if seconds >= 0 else f"{_duration(-seconds)} ago"
-    return f"{moment:%Y-%m-%d %H:%M:%S}.{moment.microsecond // 1000:03d} UTC ({relative})"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    minutes = int(seconds // 60)
-    if minutes < 120:
-        return f"{minutes} min"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours} h {minutes} min"
-    days, hours = divmod(hours, 24)
-    return f"{days} d {hours} h"
+    shown = f"{moment:%Y-%m-%d %H:%M:%S}.{moment.microsecond // 1000:03d} UTC"
+    return f"{shown} ({relative_time(moment, now)})"
 
 
 def _size(size: int | None) -> str:
@@ -242,7 +273,7 @@ def _print_record(record: RecordView) -> None:
         response = f"{record.response_status}, {_size(record.response_size)}"
     rows = [
         ("key", f"{record.key!r} in scope {record.scope!r}"),
-        ("status", record.status + (" (expired: treated as absent)" if record.expired else "")),
+        ("status", _status(record)),
         ("request hash", record.request_hash),
         ("created", _when(record.created_at, now)),
         ("lease until", _when(record.lease_expires_at, now)),
@@ -253,9 +284,22 @@ def _print_record(record: RecordView) -> None:
     _print_rows(rows)
 
 
+def _status(record: RecordView) -> str:
+    shown = str(record.status)
+    if record.fenced:
+        shown += ", effect committed (fenced)"
+    if record.expired:
+        shown += " (expired: treated as absent)"
+    elif record.stuck:
+        shown += " (its lease lapsed: stuck until a retry takes it or it is released)"
+    return shown
+
+
 def _print_stats(stats: StoreStats) -> None:
     rows = [("records", f"{stats.total:,}")]
     rows += [(f"  {status}", f"{count:,}") for status, count in stats.by_status.items()]
+    fenced = "- (no fenced commits in this store)" if stats.fenced is None else f"{stats.fenced:,}"
+    rows.append(("fenced (effect committed)", fenced))
     expired = "- (Redis deletes them itself)" if stats.expired is None else f"{stats.expired:,}"
     rows += [
         ("expired, awaiting purge", expired),
@@ -275,6 +319,7 @@ def _record_json(record: RecordView) -> dict[str, Any]:
         "scope": record.scope,
         "key": record.key,
         "status": record.status.value,
+        "fenced": record.fenced,
         "expired": record.expired,
         "request_hash": record.request_hash,
         "created_at": _iso(record.created_at),
@@ -298,6 +343,7 @@ def _stats_json(stats: StoreStats) -> dict[str, Any]:
     return {
         "total": stats.total,
         "by_status": {status.value: count for status, count in stats.by_status.items()},
+        "fenced": stats.fenced,
         "expired": stats.expired,
         "oldest_in_progress": _iso(stats.oldest_in_progress),
         "size_bytes": stats.size_bytes,
@@ -372,16 +418,19 @@ def _parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    def store_options(sub: Any, *, keyed: bool) -> None:
-        sub.add_argument("--url", required=True, help="database or redis:// URL of the store")
-        if keyed:
-            sub.add_argument("key", help="the Idempotency-Key, as the client sent it")
-            sub.add_argument("--scope", default="", help="the caller scope (default: none)")
+    def prefix_option(sub: Any) -> None:
         sub.add_argument(
             "--prefix",
             default=DEFAULT_REDIS_PREFIX,
             help=f"Redis key prefix of the store (default: {DEFAULT_REDIS_PREFIX})",
         )
+
+    def store_options(sub: Any, *, keyed: bool) -> None:
+        sub.add_argument("--url", required=True, help="database or redis:// URL of the store")
+        if keyed:
+            sub.add_argument("key", help="the Idempotency-Key, as the client sent it")
+            sub.add_argument("--scope", default="", help="the caller scope (default: none)")
+        prefix_option(sub)
         sub.add_argument(
             "--timeout",
             type=float,
@@ -399,6 +448,7 @@ def _parser() -> argparse.ArgumentParser:
 
     purge = command("purge", _purge, "delete expired records now")
     purge.add_argument("--url", required=True, help="database or redis:// URL")
+    prefix_option(purge)
     purge.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="rows per transaction"
     )
@@ -418,8 +468,28 @@ def _parser() -> argparse.ArgumentParser:
     release.add_argument(
         "--force", action="store_true", help="delete a completed record too (no more replays)"
     )
-    stats = command("stats", _stats, "count records by status, expired ones, the table's size")
+    stats = command(
+        "stats", _stats, "count records by status, fenced and expired ones, the table's size"
+    )
     store_options(stats, keyed=False)
+
+    served = command(
+        "panel",
+        _panel,
+        "serve the operator's web panel on 127.0.0.1 (read-only unless --actions)",
+    )
+    served.add_argument("--store", required=True, help="database or redis:// URL of the store")
+    prefix_option(served)
+    served.add_argument(
+        "--journal", help="a client's journal: SQLite path, database URL or redis:// URL"
+    )
+    served.add_argument(
+        "--actions",
+        action="store_true",
+        help="offer the actions (release, retry, mark), each confirmed on its own page",
+    )
+    served.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (default: 8765)")
+    served.add_argument("--limit", type=int, default=50, help="records per list (default: 50)")
 
     journal = commands.add_parser("journal", help="look into a client's journal")
     actions = journal.add_subparsers(dest="action", required=True)

@@ -7,7 +7,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
+from idempotency_mw.admin import RecordView, StoreStats, pair_of, pair_ref, record_version
 from idempotency_mw.records import Claim, ClaimOutcome, RecordStatus, StoredResponse
 from idempotency_mw.stores.base import ClaimsWithToken
 
@@ -21,6 +23,7 @@ class _Record:
     token: str
     lease_ends: float
     expires: float
+    created: float
     response: StoredResponse | None = None
     binding: str = ""
 
@@ -44,7 +47,8 @@ class MemoryStore(ClaimsWithToken):
     For tests, yours and the middleware's own: no server, no table. Records live as long as the
     store object and are seen only by the process that holds it, so it is not for production.
     ``clock`` gives the time in seconds (``time.time`` as it was when the store was made); pass
-    your own to move leases and TTLs forward in a test without sleeping.
+    your own to move leases and TTLs forward in a test without sleeping. It is
+    :class:`~idempotency_mw.stores.base.Inspectable`, as the other stores are.
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
@@ -90,6 +94,7 @@ class MemoryStore(ClaimsWithToken):
                     token,
                     now + lease,
                     now + ttl,
+                    now,
                     binding=binding,
                 )
                 return Claim(ClaimOutcome.ACQUIRED, token=token)
@@ -142,6 +147,52 @@ class MemoryStore(ClaimsWithToken):
     async def aclose(self) -> None:
         """Nothing to close: the records stay for the next use."""
 
+    def record_ref(self, scope: str, key: str) -> str:
+        return pair_ref(scope, key)
+
+    async def find_record(self, ref: str, *, with_body: bool = False) -> RecordView | None:
+        name = pair_of(ref, "MemoryStore")
+        with self._lock:
+            record = self._records.get(name)
+            return None if record is None else _view(name, record, self._clock(), with_body)
+
+    async def list_records(self, status: RecordStatus, *, limit: int) -> list[RecordView]:
+        with self._lock:
+            now = self._clock()
+            found = [(name, r) for name, r in self._records.items() if r.status is status]
+        found.sort(key=lambda item: item[1].lease_ends)
+        return [_view(name, record, now, False) for name, record in found[:limit]]
+
+    async def scopes_of(self, key: str, *, limit: int) -> list[str] | None:
+        with self._lock:
+            return sorted(scope for scope, named in self._records if named == key)[:limit]
+
+    async def force_release(self, record: RecordView) -> bool:
+        name = pair_of(record.ref, "MemoryStore")
+        with self._lock:
+            held = self._records.get(name)
+            if held is None or record_version(held.token, held.status, False) != record.version:
+                return False
+            del self._records[name]
+            return True
+
+    async def record_stats(self) -> StoreStats:
+        with self._lock:
+            now = self._clock()
+            held = list(self._records.values())
+        by_status = dict.fromkeys(RecordStatus, 0)
+        for record in held:
+            by_status[record.status] += 1
+        started = [r.created for r in held if r.status is RecordStatus.IN_PROGRESS]
+        return StoreStats(
+            by_status=by_status,
+            fenced=None,
+            expired=sum(record.expired(now) for record in held),
+            oldest_in_progress=_utc(min(started)) if started else None,
+            size_bytes=None,
+            now=_utc(now),
+        )
+
     def _change(
         self,
         scope: str,
@@ -171,3 +222,27 @@ class MemoryStore(ClaimsWithToken):
             else:
                 self._records[scope, key] = changed
             return True
+
+
+def _utc(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
+
+
+def _view(name: tuple[str, str], record: _Record, now: float, with_body: bool) -> RecordView:
+    response = record.response
+    return RecordView(
+        ref=pair_ref(*name),
+        scope=name[0],
+        key=name[1],
+        status=record.status,
+        fenced=False,
+        request_hash=record.fingerprint,
+        created_at=_utc(record.created),
+        lease_expires_at=_utc(record.lease_ends),
+        expires_at=_utc(record.expires),
+        response_status=None if response is None else response.status,
+        response_size=None if response is None else len(response.body),
+        body=response.body if with_body and response is not None else None,
+        now=_utc(now),
+        version=record_version(record.token, record.status, False),
+    )

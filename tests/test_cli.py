@@ -33,6 +33,7 @@ from tests.conftest import (
     fresh_sql_store,
     require_server,
 )
+from tests.redis_servers import RedisCluster
 from tests.scratch import scratch_database
 
 BODY = b'{"id": 17, "title": "Printer on fire"}'
@@ -52,8 +53,7 @@ class Target:
     async def run(self, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
         """The command's exit code and output (in a thread: it runs its own event loop)."""
         command, *rest = args
-        options = [] if command == "purge" else self.options
-        code = await asyncio.to_thread(main, [command, "--url", self.url, *options, *rest])
+        code = await asyncio.to_thread(main, [command, "--url", self.url, *self.options, *rest])
         captured = capsys.readouterr()
         return code, captured.out, captured.err
 
@@ -63,9 +63,17 @@ class Target:
         return code, json.loads(out)
 
 
-@pytest.fixture(params=PERSISTENT_STORES)
+@pytest.fixture(params=[*PERSISTENT_STORES, "redis-cluster"])
 async def target(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Target]:
     name: str = request.param
+    if name == "redis-cluster":
+        # The command is given one node's URL, as an operator would: it finds the others.
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        prefix = f"test-cli-{uuid.uuid4().hex}:"
+        cluster_store = RedisStore(cluster.url, cluster=True, prefix=prefix)
+        yield Target(name, cluster.url, cluster_store, ["--prefix", prefix])
+        await cluster_store.aclose()  # the cluster is the session's own: its keys go with it
+        return
     if name == "redis":
         require_server(REDIS_URL)
         prefix = f"test-cli-{uuid.uuid4().hex}:"
@@ -128,7 +136,7 @@ async def test_inspect_shows_a_record_in_progress_and_completed(
     assert near(_time(shown["lease_expires_at"]), now + timedelta(seconds=60))
     assert near(_time(shown["expires_at"]), now + timedelta(hours=1))
     assert (shown["response_status"], shown["response_size"]) == (None, None)
-    if target.name == "redis":  # the Redis store keeps no creation time
+    if target.name.startswith("redis"):  # the Redis store keeps no creation time
         assert shown["created_at"] is None
     else:
         assert near(_time(shown["created_at"]), now)
@@ -164,12 +172,36 @@ async def test_inspect_prints_the_body_only_when_asked(
 async def test_inspect_of_a_key_without_record_exits_1(
     target: Target, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    await completed(target.store, "order-17", scope="alice")
-    # Another scope is another record.
-    code, out, err = await target.run(capsys, "inspect", "order-17", "--scope", "bob", "--json")
+    code, out, err = await target.run(capsys, "inspect", "never-sent", "--json")
     assert code == 1
     assert json.loads(out) is None
-    assert err == "idempotency-mw: no record of key 'order-17' in scope 'bob'\n"
+    assert err.startswith("idempotency-mw: no record of key 'never-sent' in scope ''")
+
+
+@pytest.mark.anyio
+async def test_inspect_without_scope_names_the_scopes_that_hold_the_key(
+    target: Target, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await completed(target.store, "order-17", scope="alice")
+    await completed(target.store, "order-17", scope="bob")
+    await completed(target.store, "order-18")
+    # Another scope is another record.
+    code, out, err = await target.run(capsys, "inspect", "order-17")
+    assert (code, out) == (1, "")
+    if target.name.startswith("redis"):  # a record's name is a digest of scope and key
+        assert err == (
+            "idempotency-mw: no record of key 'order-17' in scope '' (Redis names records by "
+            "a digest of scope and key: give the right --scope)\n"
+        )
+    else:
+        assert err == (
+            "idempotency-mw: no record of key 'order-17' in scope ''; the key has records in "
+            "other scopes: 'alice', 'bob' (give one with --scope)\n"
+        )
+    code, out, err = await target.run(capsys, "inspect", "order-18", "--scope", "alice")
+    assert code == 1
+    if not target.name.startswith("redis"):
+        assert err.endswith("records in other scopes: '' (give one with --scope)\n")
 
 
 @pytest.mark.anyio
@@ -187,7 +219,7 @@ async def test_inspect_finds_keys_stored_as_their_digest(
 async def test_inspect_says_an_expired_record_is_treated_as_absent(
     target: Target, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if target.name == "redis":
+    if target.name.startswith("redis"):
         pytest.skip("Redis deletes a record when its TTL ends")
     await completed(target.store, "order-17", ttl=0.001)
     await asyncio.sleep(0.05)
@@ -270,7 +302,7 @@ async def test_stats_counts_records_by_status(
     now = _time(shown["now"])
     assert near(now, datetime.now(UTC))
     assert shown["size_bytes"] > 0
-    if target.name == "redis":  # the expired record is gone already; no creation times
+    if target.name.startswith("redis"):  # the expired record is gone already; no creation time
         assert shown["by_status"] == {
             "in_progress": 2,
             "completed": 3,
@@ -278,7 +310,7 @@ async def test_stats_counts_records_by_status(
             "committed": 0,
         }
         assert shown["total"] == 6
-        assert (shown["expired"], shown["oldest_in_progress"]) == (None, None)
+        assert (shown["expired"], shown["oldest_in_progress"], shown["fenced"]) == (None,) * 3
     else:
         assert shown["by_status"] == {
             "in_progress": 2,
@@ -287,7 +319,7 @@ async def test_stats_counts_records_by_status(
             "committed": 0,
         }
         assert shown["total"] == 7
-        assert shown["expired"] == 1
+        assert (shown["expired"], shown["fenced"]) == (1, 0)
         oldest = _time(shown["oldest_in_progress"])
         assert near(oldest, now)
         assert oldest < now - timedelta(seconds=0.1)
@@ -312,7 +344,7 @@ async def test_purge_deletes_what_stats_counts_as_expired(
     await asyncio.sleep(0.05)
     code, out, err = await target.run(capsys, "purge")
     assert (code, err) == (0, "")
-    if target.name == "redis":
+    if target.name.startswith("redis"):
         assert out == "idempotency-mw: Redis expires records by itself (TTL): nothing to purge\n"
     else:
         assert out.startswith("idempotency-mw: purged 1 expired record in ")
@@ -449,3 +481,81 @@ def test_mariadb_migrations_print_no_server_warnings() -> None:
 def test_migrate_a_redis_url_has_nothing_to_do(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["migrate", "--url", REDIS_URL]) == 0
     assert "nothing to migrate" in capsys.readouterr().out
+
+
+# --- fenced commits -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sql_target(target: Target) -> Target:
+    """A SQL store's target: fenced commits take part in a SQL transaction."""
+    if target.name.startswith("redis"):
+        pytest.skip("fenced commits take part in a SQL transaction")
+    return target
+
+
+async def fenced(target: Target, key: str, *, settle: bool) -> str:
+    """A claim of ``key`` whose effect a fenced commit marked, then completed if ``settle``."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from idempotency_mw import SQLStore
+    from idempotency_mw.stores.sql import async_url
+
+    assert isinstance(target.store, SQLStore)
+    token = await claim(target.store, key)
+    engine = create_async_engine(async_url(target.url))
+    async with engine.begin() as conn:
+        statement, params = target.store.fence_statement("", key, token)
+        assert (await conn.execute(statement, params)).rowcount == 1
+    await engine.dispose()
+    if settle:
+        assert await target.store.complete("", key, token, RESPONSE, ttl=HOUR)
+    return token
+
+
+@pytest.mark.anyio
+async def test_stats_and_inspect_count_fenced_commits(
+    sql_target: Target, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await fenced(sql_target, "paid", settle=True)
+    await fenced(sql_target, "paying", settle=False)
+    await completed(sql_target.store, "plain")
+    code, shown = await sql_target.json(capsys, "stats")
+    assert code == 0
+    assert shown["fenced"] == 2
+    assert shown["by_status"]["completed"] == 2
+    code, out, _ = await sql_target.run(capsys, "stats")
+    assert "fenced (effect committed)  2" in out
+    code, shown = await sql_target.json(capsys, "inspect", "paid")
+    assert (shown["status"], shown["fenced"]) == ("completed", True)
+    code, shown = await sql_target.json(capsys, "inspect", "plain")
+    assert shown["fenced"] is False
+
+
+@pytest.mark.anyio
+async def test_release_refuses_a_fenced_claim_unless_forced(
+    sql_target: Target, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await fenced(sql_target, "paying", settle=False)
+    code, out, err = await sql_target.run(capsys, "release", "paying")
+    assert (code, out) == (1, "")
+    assert "its effect was committed (a fenced commit)" in err
+    retry = await sql_target.store.claim("", "paying", fingerprint("paying"), ttl=HOUR, lease=HOUR)
+    assert retry.outcome is ClaimOutcome.IN_PROGRESS  # still held, not run again
+    code, shown = await sql_target.json(capsys, "release", "paying", "--force")
+    assert (code, shown["outcome"]) == (0, "released")
+
+
+# --- panel --------------------------------------------------------------------------------------
+
+
+def test_the_panel_refuses_a_missing_store_or_journal_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "typo.db"
+    assert main(["panel", "--store", f"sqlite:///{missing}"]) == 2
+    assert _one_line(capsys.readouterr().err) == f"idempotency-mw: no SQLite database at {missing}"
+    assert not missing.exists()
+    journal = tmp_path / "typo.sqlite3"
+    assert main(["panel", "--store", REDIS_URL, "--journal", str(journal)]) == 2
+    assert _one_line(capsys.readouterr().err) == f"idempotency-mw: no journal file at {journal}"

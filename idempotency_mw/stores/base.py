@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from idempotency_mw.records import Claim, StoredResponse, new_token
+from idempotency_mw.records import Claim, RecordStatus, StoredResponse, new_token
+
+if TYPE_CHECKING:
+    from idempotency_mw.admin import RecordView, StoreStats
 
 
 @runtime_checkable
@@ -117,6 +120,43 @@ class SettlementFeed(Protocol):
         :class:`~idempotency_mw.exceptions.SettlementFeedUnsupported` when this store's backend
         cannot (e.g. a SQLStore on SQLite).
         """
+        ...
+
+
+@runtime_checkable
+class Inspectable(Protocol):
+    """An optional capability of a store: an operator's look at its records (the CLI, the
+    panel), through the store's own statements and scripts.
+
+    A record is named by a ``ref`` (:meth:`record_ref`), which listings return too. Times come
+    from the backend's clock; bodies are read only when asked for.
+    """
+
+    def record_ref(self, scope: str, key: str) -> str:
+        """The name of the record of ``(scope, key)`` in this store (no I/O)."""
+        ...
+
+    async def find_record(self, ref: str, *, with_body: bool = False) -> RecordView | None:
+        """The record named ``ref``, or ``None`` when there is none (an expired one is found)."""
+        ...
+
+    async def list_records(self, status: RecordStatus, *, limit: int) -> list[RecordView]:
+        """At most ``limit`` records in ``status``, the earliest lease end first (so the keys
+        stuck longest in progress come first)."""
+        ...
+
+    async def scopes_of(self, key: str, *, limit: int) -> list[str] | None:
+        """At most ``limit`` scopes that hold a record of ``key``; ``None`` when the store
+        cannot tell (it keeps only a digest of scope and key)."""
+        ...
+
+    async def force_release(self, record: RecordView) -> bool:
+        """Delete ``record`` if it is still as it was read (its ``version``), whatever its
+        status; whether it did. The key's next request then runs again."""
+        ...
+
+    async def record_stats(self) -> StoreStats:
+        """Counts of the store's records by status, fenced and expired, and their size."""
         ...
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from idempotency_mw.client.journals.base import Journal, needing_attention
+from idempotency_mw.client.journals.base import NOTE_HEADER, Journal, needing_attention, resolve
 from idempotency_mw.client.journals.sql import SQLJournal, journal_table, sync_url
 from idempotency_mw.client.journals.sqlite import DEFAULT_JOURNAL_PATH, SQLiteJournal
 
 __all__ = [
     "DEFAULT_JOURNAL_PATH",
+    "NOTE_HEADER",
     "Journal",
     "RedisJournal",
     "SQLJournal",
@@ -18,6 +19,7 @@ __all__ = [
     "journal_table",
     "needing_attention",
     "open_journal",
+    "resolve",
     "sync_url",
 ]
 

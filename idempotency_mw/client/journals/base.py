@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 from idempotency_mw.client.values import JournalEntry, OperationState
+from idempotency_mw.exceptions import ConfigurationError
 
 
 @runtime_checkable
@@ -52,6 +55,36 @@ class Journal(Protocol):
 def needing_attention(journal: Journal) -> list[JournalEntry]:
     """The journal's entries a person has to look at, oldest first."""
     return [entry for entry in journal.unsettled() if entry.state.needs_attention]
+
+
+#: The response header under which :func:`resolve` journals a person's note.
+NOTE_HEADER = "idempotency-mw-note"
+
+
+def resolve(journal: Journal, key: str, state: OperationState, note: str) -> JournalEntry:
+    """Settle the entry ``key`` by hand as ``confirmed`` or ``failed`` (a person looked), with
+    ``note`` journaled beside its last answer (a response header :data:`NOTE_HEADER`, so every
+    journal keeps it); the entry as saved.
+
+    Under the operation's lease, so that a caller sending it at that moment is not overwritten;
+    raises :class:`~idempotency_mw.exceptions.ConfigurationError` when ``state`` is not settled,
+    the entry is missing, or another caller holds it.
+    """
+    if not state.settled:
+        raise ConfigurationError(f"an operation is resolved as confirmed or failed, not {state}")
+    holder = f"resolve-{secrets.token_hex(8)}"
+    if not journal.acquire(key, holder, 30.0):
+        raise ConfigurationError("no such operation, or another caller is sending it now")
+    try:
+        entry = journal.get(key)
+        if entry is None:
+            raise ConfigurationError("no such operation")
+        noted = (*entry.response_headers, (NOTE_HEADER, " ".join(note.split())))
+        resolved = replace(entry, state=state, response_headers=noted)
+        journal.save(resolved)
+    finally:
+        journal.release(key, holder)
+    return resolved
 
 
 #: A journal entry's fields, in the order of :func:`to_row` and :func:`from_row`.

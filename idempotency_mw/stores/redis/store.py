@@ -33,6 +33,7 @@ from idempotency_mw.records import (
 from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.stores.feed import CHECK_AFTER, Feeds
 from idempotency_mw.stores.redis import scripts, subscriber
+from idempotency_mw.stores.redis.admin import RedisInspection
 from idempotency_mw.stores.redis.resp import Address, Arg, PipelinedConnection
 from idempotency_mw.stores.redis.scripts import Script
 
@@ -64,7 +65,7 @@ def _ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
 
-class RedisStore(ClaimsWithToken):
+class RedisStore(RedisInspection, ClaimsWithToken):
     """Idempotency records in Redis, one hash per record.
 
     Give either ``url`` or ``client``. From a URL, ``transport`` says how the store talks to
@@ -82,6 +83,8 @@ class RedisStore(ClaimsWithToken):
     The store offers a :class:`~idempotency_mw.stores.base.SettlementFeed`: the scripts that
     complete and release a record PUBLISH its digest on the channel ``<prefix>settled``, and
     :meth:`watch_settlements` subscribes to it on a connection of its own.
+
+    The store is :class:`~idempotency_mw.stores.base.Inspectable` (the CLI and the panel).
     """
 
     def __init__(

@@ -25,6 +25,7 @@ from idempotency_mw.records import (
 from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.stores.feed import Feeds
 from idempotency_mw.stores.sql import notify
+from idempotency_mw.stores.sql.admin import SQLInspection
 from idempotency_mw.stores.sql.claims import CLAIMS
 from idempotency_mw.stores.sql.drivers import DriverChoice, Synchronous, open_driver
 from idempotency_mw.stores.sql.schema import check_schema
@@ -35,7 +36,7 @@ T = TypeVar("T")
 _THREAD_SHARE = 0.9
 
 
-class SQLStore(ClaimsWithToken):
+class SQLStore(SQLInspection, ClaimsWithToken):
     """Idempotency records in the ``idempotency_records`` table of a SQL database.
 
     ``database`` is a SQLAlchemy URL (with or without an async driver name) or an
@@ -57,6 +58,8 @@ class SQLStore(ClaimsWithToken):
     statement, and :meth:`watch_settlements` listens on one asyncpg connection of its own. It is
     off by default: PostgreSQL commits notifying transactions one at a time, which halves how
     many settlements it takes per second under concurrency.
+
+    The store is :class:`~idempotency_mw.stores.base.Inspectable` (the CLI and the panel).
     """
 
     def __init__(
