@@ -21,10 +21,10 @@ from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idempotency_mw._asgi import (
-    MAX_KEY_LENGTH,
     REPLAYED_HEADER,
     ReplayReceive,
     ResponseRecorder,
+    invalid_key_detail,
     parse_key,
     request_headers,
     send_replay,
@@ -282,7 +282,7 @@ class IdempotencyMiddleware:
             detail = (
                 f"Send one {options.header_name} header"
                 if len(raw_keys) > 1
-                else f"{options.header_name} must be 1-{MAX_KEY_LENGTH} visible ASCII characters"
+                else invalid_key_detail(options.header_name, raw_keys[0])
             )
             await send_problem(send, Problem.INVALID_KEY, 400, detail + ".")
             return
