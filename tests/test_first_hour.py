@@ -21,6 +21,7 @@ from idempotency_mw import SchemaError, SQLStore
 from idempotency_mw.testing import MemoryStore
 from tests.apps import client_for, make_app
 from tests.faults import ROOT, ServerProcess
+from tests.readme import marked
 
 pytestmark = pytest.mark.anyio
 
@@ -102,3 +103,11 @@ async def test_one_scrape_sees_every_uvicorn_workers_counts(tmp_path: Path) -> N
     (in_flight,) = [s for s in samples if s.name == "idempotency_in_flight_claims"]
     assert in_flight.labels == {}
     assert in_flight.value == 0
+
+
+def test_the_docs_env_py_keeps_alembics_logging() -> None:
+    """The whole env.py of the Alembic recipes configures logging from alembic.ini, as
+    ``alembic init`` does (tests/test_alembic_project.py runs it in a user's project)."""
+    env_py = marked("file alembic/env.py (run by Alembic in tests/test_alembic_project.py)").text
+    assert "from logging.config import fileConfig\n" in env_py
+    assert "    fileConfig(context.config.config_file_name)\n" in env_py
