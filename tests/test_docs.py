@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import socket
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import MARIADB_URL, POSTGRESQL_URL, REDIS_URL
-from tests.readme import ROOT, Block, blocks, pages
+from tests.faults import free_port
+from tests.readme import ROOT, Block, blocks, marked, pages
 
 #: The extras the blocks need, and the framework and server the package leaves to its user.
 EXTRAS = "postgresql,mysql,redis,client,prometheus,otel,mcp,example"
@@ -129,6 +133,65 @@ def test_the_package_comes_from_the_wheel_not_the_checkout(installed: Path, tmp_
     assert "page.md:8 failed" in result.stderr
     assert str(installed.parent.parent) in result.stdout
     assert str(ROOT) not in result.stdout
+
+
+def _wait_for(port: int, server: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"uvicorn did not listen on {port} (exit code {server.poll()})")
+
+
+def test_the_readme_quick_start_runs_as_written(installed: Path, tmp_path: Path) -> None:
+    """app.py and the commands of the README's quick start, typed one after the other: the
+    second request is the first one's replay. Only the port differs (8000 may be taken)."""
+    (tmp_path / "app.py").write_text(marked("quick start app.py").text)
+    script = marked("commands quick start").text.replace("\\\n", " ")
+    lines = [line.strip() for line in script.splitlines() if line.strip()]
+    port = free_port()
+    env = {
+        **{name: value for name, value in os.environ.items() if name != "PYTHONPATH"},
+        "PATH": f"{installed.parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    server: subprocess.Popen[bytes] | None = None
+    answers: list[str] = []
+    try:
+        for line in lines:
+            if line == "uvicorn app:app &":
+                server = subprocess.Popen(
+                    [str(installed.parent / "uvicorn"), "app:app", "--port", str(port)],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                _wait_for(port, server)
+                continue
+            result = subprocess.run(
+                shlex.split(line.replace("localhost:8000", f"127.0.0.1:{port}")),
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            assert result.returncode == 0, f"{line}\n{result.stdout}{result.stderr}"
+            answers.append(result.stdout)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(10)
+    first, again = answers[-2:]
+    assert first.startswith("HTTP/1.1 201")
+    assert "idempotent-replayed: true" not in first.lower()
+    assert again.startswith("HTTP/1.1 201")
+    assert "idempotent-replayed: true" in again.lower()
+    assert first.split("\n\n")[1] == again.split("\n\n")[1]  # the same body
 
 
 @pytest.mark.parametrize(
