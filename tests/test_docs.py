@@ -61,28 +61,47 @@ PYTHON_BLOCKS = [
 ]
 
 
+def _run(
+    args: list[str],
+    *,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    stdin: str | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    """Run a command to its end; its output as text (the caller checks its exit code)."""
+    return subprocess.run(
+        args,
+        input=stdin,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _environment(**extra: str) -> dict[str, str]:
+    """This process's environment without PYTHONPATH (which would put the checkout first)."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **extra}
+
+
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The python of a fresh venv holding the package from a wheel built of this checkout."""
     where = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(where), "."],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=300,
+    built = _run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(where), "."]
     )
+    assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = where.glob("idempotency_mw-*.whl")
     env_dir = where / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", f"{wheel}[{EXTRAS}]"],
-        check=True,
-        capture_output=True,
-        timeout=600,
-        env={name: value for name, value in os.environ.items() if name != "PYTHONPATH"},
-    )
+    pip = [str(python), "-m", "pip", "install", "--quiet", f"{wheel}[{EXTRAS}]"]
+    installing = _run(pip, env=_environment(), timeout=600)
+    assert installing.returncode == 0, installing.stdout + installing.stderr
     return python
 
 
@@ -93,23 +112,9 @@ def run_page(python: Path, page: Path, folder: Path) -> subprocess.CompletedProc
         for block in blocks(page)
         if block.language == "python" and not _skipped(block)
     ]
-    env = {
-        **{name: value for name, value in os.environ.items() if name != "PYTHONPATH"},
-        # Blocks that need a server read these: the run's own databases, never a shared one.
-        "POSTGRESQL_URL": POSTGRESQL_URL,
-        "MARIADB_URL": MARIADB_URL,
-        "REDIS_URL": REDIS_URL,
-    }
-    return subprocess.run(
-        [str(python), "-I", "-c", RUNNER],
-        input=json.dumps(runnable),
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    # Blocks that need a server read these: the run's own databases, never a shared one.
+    env = _environment(POSTGRESQL_URL=POSTGRESQL_URL, MARIADB_URL=MARIADB_URL, REDIS_URL=REDIS_URL)
+    return _run([str(python), "-I", "-c", RUNNER], cwd=folder, env=env, stdin=json.dumps(runnable))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
@@ -153,10 +158,7 @@ def test_the_readme_quick_start_runs_as_written(installed: Path, tmp_path: Path)
     script = marked("commands quick start").text.replace("\\\n", " ")
     lines = [line.strip() for line in script.splitlines() if line.strip()]
     port = free_port()
-    env = {
-        **{name: value for name, value in os.environ.items() if name != "PYTHONPATH"},
-        "PATH": f"{installed.parent}{os.pathsep}{os.environ['PATH']}",
-    }
+    env = _environment(PATH=f"{installed.parent}{os.pathsep}{os.environ['PATH']}")
     server: subprocess.Popen[bytes] | None = None
     answers: list[str] = []
     try:
@@ -171,15 +173,8 @@ def test_the_readme_quick_start_runs_as_written(installed: Path, tmp_path: Path)
                 )
                 _wait_for(port, server)
                 continue
-            result = subprocess.run(
-                shlex.split(line.replace("localhost:8000", f"127.0.0.1:{port}")),
-                cwd=tmp_path,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
+            command = shlex.split(line.replace("localhost:8000", f"127.0.0.1:{port}"))
+            result = _run(command, cwd=tmp_path, env=env, timeout=120)
             assert result.returncode == 0, f"{line}\n{result.stdout}{result.stderr}"
             answers.append(result.stdout)
     finally:
@@ -198,25 +193,12 @@ def test_the_readme_quick_start_runs_as_written(installed: Path, tmp_path: Path)
     ("page", "block"), PYTHON_BLOCKS, ids=[_where(page, block) for page, block in PYTHON_BLOCKS]
 )
 def test_a_python_block_is_in_ruff_format(page: Path, block: Block) -> None:
-    result = subprocess.run(
-        [str(RUFF), "format", "--diff", "--stdin-filename", "docs_block.py", "-"],
-        input=block.text,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    ruff = [str(RUFF), "format", "--diff", "--stdin-filename", "docs_block.py", "-"]
+    result = _run(ruff, stdin=block.text, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_site_builds_strictly(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [str(MKDOCS), "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = _run([str(MKDOCS), "build", "--strict", "--site-dir", str(tmp_path / "site")])
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "site" / "reference" / "index.html").read_text().count("SQLStore") > 1
