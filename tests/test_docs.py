@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import MARIADB_URL, POSTGRESQL_URL, REDIS_URL
 from tests.faults import free_port
-from tests.readme import ROOT, Block, blocks, marked, pages
+from tests.readme import ROOT, Block, blocks, commands, marked, pages
 
 #: The extras the blocks need, and the framework and server the package leaves to its user.
 EXTRAS = "postgresql,mysql,redis,client,prometheus,otel,mcp,example"
@@ -187,6 +187,27 @@ def test_the_readme_quick_start_runs_as_written(installed: Path, tmp_path: Path)
     assert again.startswith("HTTP/1.1 201")
     assert "idempotent-replayed: true" in again.lower()
     assert first.split("\n\n")[1] == again.split("\n\n")[1]  # the same body
+
+
+def test_the_readme_install_from_a_wheel_works_as_written(tmp_path: Path) -> None:
+    """The README's wheel lines, with the checkout's path for /path/to/idempotency-mw, in a
+    fresh venv: then the package and the framework import (the editable line is CI's own)."""
+    lines = commands(marked("commands install"))
+    wheel_lines = [line for line in lines if " -e " not in line]
+    assert len(wheel_lines) == 3, lines
+    venv.create(tmp_path / "venv", with_pip=True)
+    bin_dir = tmp_path / "venv" / "bin"
+    env = _environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for line in wheel_lines:
+        command = line.split("  #")[0].replace("/path/to/idempotency-mw", str(ROOT))
+        result = _run(["bash", "-c", command], cwd=tmp_path, env=env, timeout=600)
+        assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
+    check = (
+        "import fastapi, uvicorn, sqlalchemy; from idempotency_mw import SQLStore; print(SQLStore)"
+    )
+    result = _run([str(bin_dir / "python"), "-I", "-c", check], cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "dist").is_dir()
 
 
 @pytest.mark.parametrize(
