@@ -7,6 +7,7 @@ of any worker adds up every worker's (tests/test_first_hour.py).
 from __future__ import annotations
 
 import os
+import time
 
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -27,6 +28,8 @@ def create_app() -> FastAPI:
 
     @app.post("/work")
     async def work() -> dict[str, int]:
+        # Holds this worker's event loop a moment, so that concurrent requests reach the others.
+        time.sleep(0.02)  # noqa: ASYNC251  (blocking on purpose)
         return {"pid": os.getpid()}
 
     @app.get("/metrics")

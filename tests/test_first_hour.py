@@ -13,6 +13,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import anyio
 import pytest
 from asgi_lifespan import LifespanManager
 from prometheus_client.parser import text_string_to_metric_families
@@ -80,17 +81,26 @@ def test_the_checkout_migrations_log_through_alembic_ini(tmp_path: Path) -> None
 async def test_one_scrape_sees_every_uvicorn_workers_counts(tmp_path: Path) -> None:
     """prometheus_client's multiprocess mode under real uvicorn workers: one scrape, all counts."""
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    requests = 40
+    requests = 0
+    pids: set[int] = set()
     with ServerProcess("tests.multiprocess_app:create_app", env, workers=2) as server:
         server.wait_ready()
-        pids: set[int] = set()
         async with server.client() as client:
-            for _ in range(requests):
+
+            async def send() -> None:
                 answer = await client.post("/work", headers={"Idempotency-Key": uuid.uuid4().hex})
                 assert answer.status_code == 200
                 pids.add(answer.json()["pid"])
+
+            # Rounds of four at once until both workers have answered (the kernel picks which
+            # worker accepts a connection), and at least 20 requests in all.
+            while (len(pids) < 2 or requests < 20) and requests < 400:
+                async with anyio.create_task_group() as group:
+                    for _ in range(4):
+                        group.start_soon(send)
+                requests += 4
             scraped = (await client.get("/metrics")).text
-    assert len(pids) == 2, "the requests did not reach both workers"
+    assert len(pids) == 2, f"{requests} requests did not reach both workers"
     samples = [
         sample
         for family in text_string_to_metric_families(scraped)
