@@ -2,6 +2,8 @@
 
     python -m benchmarks.run_all [--skip network,profiling] [--output benchmarks/RESULTS.md]
 
+and the summary tables of the docs' results page (``--docs``, docs/performance/results.md).
+
 Each benchmark runs as its own process (a fresh interpreter and event loop). Figures depend on
 what else the machine is doing: the load average is recorded before and after each step.
 """
@@ -48,8 +50,8 @@ STORE_SQL_OF = {
     "ours-sqlite-normal": "SQLite, the store's 3 statements, its driver (WAL, NORMAL)",
     "ours-postgresql": "PostgreSQL, the store's 2 statements, its driver",
 }
-README_START = "<!-- benchmark results: written by python -m benchmarks.run_all -->"
-README_END = "<!-- end of benchmark results -->"
+RESULTS_START = "<!-- benchmark results: written by python -m benchmarks.run_all -->"
+RESULTS_END = "<!-- end of benchmark results -->"
 
 STEPS: dict[str, tuple[str, list[str]]] = {
     "inprocess": ("In process: µs per request", ["-n", "2000", "--warmup", "300"]),
@@ -143,19 +145,19 @@ def _cheaper(
     return "met" if ours < min(t for t in theirs if t is not None) else "**missed**"
 
 
-def readme_summary(
+def results_summary(
     info: dict[str, str],
     seconds: float,
     inprocess: list[dict[str, Any]],
     network: list[dict[str, Any]],
     overhead: dict[str, Any],
 ) -> str:
-    """The README's results: the machine, then in-process and uvicorn figures of every layer."""
+    """The docs' results: the machine, then in-process and uvicorn figures of every layer."""
     bare_us = [run["bare"]["p50"] for run in inprocess if run.get("bare")]
     lines = [
         f"Measured on {info['date']} by `python -m benchmarks.run_all` ({seconds:.0f} s; every "
         "table, with correctness bursts, scale and profiles, is in "
-        "[benchmarks/RESULTS.md](benchmarks/RESULTS.md)), at commit "
+        "`benchmarks/RESULTS.md` of the repository), at commit "
         f"{info['git']}, on {info['nproc']} cores of an {info['cpu']} with Python "
         f"{info['python']}, starlette {info['starlette']}, fastapi {info['fastapi']}, "
         f"SQLAlchemy {info['sqlalchemy']}, asyncpg {info['asyncpg']}, asyncmy "
@@ -251,13 +253,13 @@ def _slowdown(row: dict[str, Any]) -> str:
     return f"{row['rps']:,.0f}/s, {1 / row['ratio']:.2f}x"
 
 
-def update_readme(path: Path, summary: str) -> bool:
-    """Put ``summary`` between the README's markers; whether they were found."""
+def update_results_page(path: Path, summary: str) -> bool:
+    """Put ``summary`` between the page's markers; whether they were found."""
     text = path.read_text()
-    start, end = text.find(README_START), text.find(README_END)
+    start, end = text.find(RESULTS_START), text.find(RESULTS_END)
     if start < 0 or end < start:
         return False
-    path.write_text(f"{text[: start + len(README_START)]}\n{summary}\n{text[end:]}")
+    path.write_text(f"{text[: start + len(RESULTS_START)]}\n{summary}\n{text[end:]}")
     return True
 
 
@@ -302,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="", help=f"comma-separated steps of {list(STEPS)}")
     parser.add_argument("--output", default=str(BENCH_DIR / "RESULTS.md"))
     parser.add_argument(
-        "--readme",
-        default=str(BENCH_DIR.parent / "README.md"),
+        "--docs",
+        default=str(BENCH_DIR.parent / "docs" / "performance" / "results.md"),
         help="update the results between this file's markers ('' to leave it alone)",
     )
     parser.add_argument(
@@ -384,10 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
     Path(args.output).write_text("\n".join(header) + "\n" + "\n\n".join(sections))
     print(f"wrote {args.output}", file=sys.stderr)
-    if args.readme and inprocess and "inprocess" not in skip:
-        summary = readme_summary(info, time.monotonic() - started, inprocess, network, overhead)
-        if update_readme(Path(args.readme), summary):
-            print(f"updated the results in {args.readme}", file=sys.stderr)
+    if args.docs and inprocess and "inprocess" not in skip:
+        summary = results_summary(info, time.monotonic() - started, inprocess, network, overhead)
+        if update_results_page(Path(args.docs), summary):
+            print(f"updated the results in {args.docs}", file=sys.stderr)
     return 0
 
 

@@ -31,6 +31,18 @@ def parse_key(raw: str) -> str | None:
     return key
 
 
+def invalid_key_detail(header_name: str, raw: str) -> str:
+    """Why ``raw``, which :func:`parse_key` refused, is not a key: for the 400 problem's detail."""
+    if not raw.startswith('"'):
+        return f"{header_name} must be 1-{MAX_KEY_LENGTH} visible ASCII characters"
+    if len(raw) < 2 or not raw.endswith('"') or _unquote_sf_string(raw[1:-1]) is None:
+        return (
+            f"{header_name} opens a quoted string that is broken: it must end with a double "
+            'quote and hold printable ASCII only, with inner " and \\ escaped by a backslash'
+        )
+    return f"the quoted {header_name} must hold 1-{MAX_KEY_LENGTH} characters"
+
+
 def _unquote_sf_string(quoted: str) -> str | None:
     chars: list[str] = []
     escaped = False

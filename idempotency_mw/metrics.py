@@ -116,6 +116,8 @@ class PrometheusMetrics:
 
     The metrics are registered in ``registry`` (default: prometheus_client's global one), so
     make one instance per registry and serve it with ``prometheus_client.generate_latest``.
+    Under several worker processes, prometheus_client's multiprocess mode
+    (``PROMETHEUS_MULTIPROC_DIR``) adds up every worker's counts, the gauge's live ones.
     """
 
     def __init__(
@@ -144,6 +146,8 @@ class PrometheusMetrics:
             "Claims acquired and not yet settled.",
             namespace=namespace,
             registry=target,
+            # In prometheus_client's multiprocess mode, one scrape sums the live workers' claims.
+            multiprocess_mode="livesum",
         )
 
     def __call__(self, event: Event) -> None:

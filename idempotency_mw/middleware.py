@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from idempotency_mw._asgi import MAX_KEY_LENGTH, parse_key, request_headers
+from idempotency_mw._asgi import invalid_key_detail, parse_key, request_headers
 from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.door import doors_of
 from idempotency_mw.engine import ClaimEngine
@@ -168,7 +168,7 @@ class IdempotencyMiddleware:
             detail = (
                 f"Send one {options.header_name} header"
                 if len(raw_keys) > 1
-                else f"{options.header_name} must be 1-{MAX_KEY_LENGTH} visible ASCII characters"
+                else invalid_key_detail(options.header_name, raw_keys[0])
             )
             await send_problem(send, Problem.INVALID_KEY, 400, detail + ".")
             return

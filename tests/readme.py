@@ -1,7 +1,7 @@
-"""The README's fenced code blocks, with the marker comment that may precede each.
+"""The fenced code blocks of the README and the docs pages, with the marker that may precede each.
 
-A marker is a line ``<!-- readme: WHAT -->`` right before a block: it names a block that a
-test takes from the README (a file, settings, commands) or says why a block does not run alone.
+A marker is a line ``<!-- docs: WHAT -->`` right before a block: it names a block that a test
+takes from a page (a file, settings, commands) or says why a block does not run as written.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
-_MARKER = re.compile(r"^\s*<!-- readme: (?P<what>.+?) -->\s*$")
+_MARKER = re.compile(r"^\s*<!-- docs: (?P<what>.+?) -->\s*$")
 _FENCE = re.compile(r"^(?P<indent>\s*)```(?P<language>\w*)\s*$")
 
 
@@ -27,8 +29,13 @@ class Block:
     marker: str | None
 
 
+def pages() -> list[Path]:
+    """The README and every page of the docs, in a stable order."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
 def blocks(path: Path = README) -> list[Block]:
-    """Every fenced block of the README, in order."""
+    """Every fenced block of a page, in order."""
     lines = path.read_text().splitlines()
     found: list[Block] = []
     marker: str | None = None
@@ -51,10 +58,10 @@ def blocks(path: Path = README) -> list[Block]:
     return found
 
 
-def marked(what: str, path: Path = README) -> Block:
-    """The one block whose marker is ``what``."""
-    matching = [block for block in blocks(path) if block.marker == what]
-    assert len(matching) == 1, f"expected one README block marked {what!r}, found {len(matching)}"
+def marked(what: str) -> Block:
+    """The one block of the README or the docs whose marker is ``what``."""
+    matching = [block for page in pages() for block in blocks(page) if block.marker == what]
+    assert len(matching) == 1, f"expected one block marked {what!r}, found {len(matching)}"
     return matching[0]
 
 

@@ -1,80 +1,38 @@
-"""Every ```python block of the README runs as written, each in a namespace of its own.
+"""The README stays short and points into the docs; its commands are the ones CI runs.
 
-Each block is a snippet a reader copies alone, so each runs alone (its own imports), in a
-fresh folder; top-level ``await`` and ``async with`` run on an event loop. A block that cannot
-run alone says so in a marker and is skipped here by name, with the test that runs it instead.
+Its Python blocks run with the docs' (tests/test_docs.py), from an installed wheel.
 """
 
 from __future__ import annotations
 
-import ast
-import asyncio
-import subprocess
-import sys
-from pathlib import Path
+import re
 
-import pytest
+from tests.readme import README, ROOT, blocks, commands
 
-from tests.readme import Block, blocks
-
-#: Markers of python blocks that do not run here, and why: each must still mark a block.
-NOT_RUN_HERE = {
-    "file alembic/env.py (run by Alembic in tests/test_alembic_project.py)": (
-        "an Alembic env.py: tests/test_alembic_project.py runs it inside Alembic"
-    ),
-    "not run alone (it calls a ticket service at tickets.example)": (
-        "it needs a service on the network"
-    ),
-}
-PYTHON_BLOCKS = [block for block in blocks() if block.language == "python"]
-RUFF = Path(sys.executable).parent / "ruff"
+TEST_COMMAND = "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/pytest"
+_LINK = re.compile(r"\]\((?P<target>[^)#]+)(?:#[^)]*)?\)")
 
 
-def _id(block: Block) -> str:
-    return f"README.md:{block.line}"
+def test_the_readme_fits_in_250_lines() -> None:
+    assert len(README.read_text().splitlines()) <= 250
 
 
-def test_every_skip_marks_a_python_block() -> None:
-    markers = {block.marker for block in PYTHON_BLOCKS}
-    assert set(NOT_RUN_HERE) <= markers
-    assert len(PYTHON_BLOCKS) >= 6
+def test_the_test_command_is_the_one_ci_runs_word_for_word() -> None:
+    shell = [line for block in blocks() if block.language == "sh" for line in commands(block)]
+    assert TEST_COMMAND in shell
+    assert TEST_COMMAND in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def run(block: Block) -> None:
-    """Run a block in a namespace of its own; with top-level await, on an event loop."""
-    code = compile(
-        block.text, _id(block), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True
-    )
-    result = eval(code, {"__name__": "__readme__"})
-    if asyncio.iscoroutine(result):
-        asyncio.run(result)
+def test_the_quick_start_installs_from_a_checkout_or_a_wheel_and_names_the_registry_line() -> None:
+    text = README.read_text()
+    assert "pip install -e '/path/to/idempotency-mw[sql]'" in text
+    assert "dist/idempotency_mw-*.whl" in text
+    assert "pip install 'idempotency-mw[sql]'" in text
 
 
-@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=_id)
-def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if block.marker in NOT_RUN_HERE:
-        pytest.skip(NOT_RUN_HERE[block.marker])
-    monkeypatch.chdir(tmp_path)  # files a block makes (./idempotency.db) land here
-    run(block)
-
-
-@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=_id)
-def test_python_block_is_in_ruff_format(block: Block) -> None:
-    result = subprocess.run(
-        [str(RUFF), "format", "--diff", "--stdin-filename", "readme_block.py", "-"],
-        input=block.text,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def test_a_block_that_does_not_run_fails() -> None:
-    """The runner really runs a block, top-level await included: a broken one raises."""
-    with pytest.raises(ImportError):
-        run(Block("python", "from idempotency_mw import NoSuchThing\n", 1, None))
-    awaiting = "import asyncio\n\nawait asyncio.sleep(0)\nraise RuntimeError('ran')\n"
-    with pytest.raises(RuntimeError, match="ran"):
-        run(Block("python", awaiting, 1, None))
+def test_every_link_of_the_readme_leads_to_a_file_of_the_checkout() -> None:
+    targets = [m["target"] for m in _LINK.finditer(README.read_text())]
+    local = [target for target in targets if "://" not in target]
+    assert len(local) >= 10
+    missing = [target for target in local if not (ROOT / target).is_file()]
+    assert not missing, f"links to nothing: {missing}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from logging.config import fileConfig
 
 from alembic import context
 from sqlalchemy import Connection
@@ -64,6 +65,10 @@ async def _run_online() -> None:
         driver_log.removeFilter(_not_a_primary_key_name_note)
         await engine.dispose()
 
+
+# The logging of the alembic.ini in use (none when the CLI runs us: it prints its own lines).
+if context.config.config_file_name is not None:
+    fileConfig(context.config.config_file_name, disable_existing_loggers=False)
 
 if context.is_offline_mode():
     _run_offline()

@@ -53,8 +53,11 @@ records = Table(
 )
 
 MIGRATE_HINT = (
-    "run `idempotency-mw migrate --url <database url>`, or `alembic upgrade idempotency_mw@head` "
-    "in an Alembic project that includes this package's revisions"
+    "run `idempotency-mw migrate --url <database url>` (no Alembic project of your own); in your "
+    "own Alembic project, either add `idempotency_mw.alembic.metadata` to target_metadata and run "
+    "`alembic revision --autogenerate` then `alembic upgrade head` (recipe A, your metadata), or "
+    "add `idempotency_mw:migrations/versions` to version_locations and run "
+    "`alembic upgrade heads` (recipe B, our branch)"
 )
 
 
