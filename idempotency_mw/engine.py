@@ -324,7 +324,7 @@ class Call:
                 ),
             )
         except StoreError as exc:
-            logger.error("could not record the outcome of key %s: %s", self.key_id, exc)
+            logger.error("could not record the response of key %s: %s", self.key_id, exc)
             return
         finally:
             self._settled()
