@@ -28,6 +28,8 @@ from tests.readme import ROOT, Block, blocks, commands, marked, pages
 
 #: The extras the blocks need, and the framework and server the package leaves to its user.
 EXTRAS = "postgresql,mysql,redis,client,prometheus,otel,mcp,example"
+#: What pages use beside the package: the SDKs whose calls they show a key for.
+PAGE_PACKAGES = ("openai", "anthropic")
 RUFF = Path(sys.executable).parent / "ruff"
 MKDOCS = Path(sys.executable).parent / "mkdocs"
 
@@ -99,7 +101,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env_dir = where / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "--quiet", f"{wheel}[{EXTRAS}]"]
+    pip = [str(python), "-m", "pip", "install", "--quiet", f"{wheel}[{EXTRAS}]", *PAGE_PACKAGES]
     installing = _run(pip, env=_environment(), timeout=600)
     assert installing.returncode == 0, installing.stdout + installing.stderr
     return python

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -259,7 +260,7 @@ async def test_fence_outside_a_guarded_request_or_transaction_is_refused(
 
 async def test_fence_with_a_redis_store_is_refused(engine: AsyncEngine) -> None:
     require_server(REDIS_URL)
-    store = RedisStore(REDIS_URL, prefix="test-fence:")
+    store = RedisStore(REDIS_URL, prefix=f"test-fence-{uuid.uuid4().hex}:")
     app = ticket_service(store, engine)
     async with client_for(app) as client:
         answer = await post(client, "redis-key")
