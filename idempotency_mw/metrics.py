@@ -48,7 +48,7 @@ class Event:
     """One thing that happened to one keyed request."""
 
     kind: EventKind
-    #: 12 hex characters of sha256(scope NUL key) (see :func:`key_hash`): never the key.
+    #: 12 hex characters of a sha256 of scope and key (see :func:`key_hash`): never the key.
     key_hash: str
     method: str
     #: The route template, e.g. ``/tickets/{ticket_id}``.
@@ -67,8 +67,14 @@ EventHook = Callable[[Event], None]
 
 
 def key_hash(scope: str, key: str) -> str:
-    """The short hash of a caller scope and key that events and log lines carry."""
-    return hashlib.sha256(f"{scope}\0{key}".encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    """The short hash of a caller scope and key that events and log lines carry.
+
+    The scope is length-prefixed: a separator could also be inside a scope or a key, and two
+    pairs would share a hash (and wake each other's waiting duplicates).
+    """
+    scope_bytes = scope.encode("utf-8", "surrogatepass")
+    pair = b"%d:%s%s" % (len(scope_bytes), scope_bytes, key.encode("utf-8", "surrogatepass"))
+    return hashlib.sha256(pair).hexdigest()[:12]
 
 
 def guard(hook: EventHook) -> EventHook:

@@ -83,36 +83,11 @@ class IdempotencyMiddleware:
         lifespan: bool = True,
         on_event: EventHook | None = None,
     ) -> None:
+        # Every parameter but app is an option, listed (with its default) for readers and
+        # type checkers and handed on as it is: a new option is one more parameter here.
+        given = {name: value for name, value in locals().items() if name not in ("self", "app")}
         self.app = app
-        self.options = build_options(
-            store=store,
-            ttl=ttl,
-            lease=lease,
-            required=required,
-            methods=methods,
-            header_name=header_name,
-            routes=routes,
-            scope=scope,
-            credential_headers=credential_headers,
-            credential_cookies=credential_cookies,
-            fingerprint_headers=fingerprint_headers,
-            max_request_bytes=max_request_bytes,
-            max_response_bytes=max_response_bytes,
-            max_header_bytes=max_header_bytes,
-            release_statuses=release_statuses,
-            fingerprint=fingerprint,
-            wait=wait,
-            store_server_errors=store_server_errors,
-            mismatch_status=mismatch_status,
-            fail_open=fail_open,
-            retry_after=retry_after,
-            replay_headers_allow=replay_headers_allow,
-            replay_headers_deny=replay_headers_deny,
-            on_lease_lost=on_lease_lost,
-            purge=purge,
-            lifespan=lifespan,
-            on_event=on_event,
-        )
+        self.options = build_options(**given)
         self.routes = RouteTable(self.options.routes)
         self.engine = ClaimEngine(
             store, on_event=self.options.on_event, on_lease_lost=on_lease_lost
@@ -223,6 +198,6 @@ def install(app: Any, *, store: Store, **options: Any) -> None:
     first request or the lifespan (a schema-export script, a ``TestClient`` used without
     ``with``).
     """
-    built = build_options(store=store, **options)  # validates the options
-    document_openapi(app, built, RouteTable(built.routes))
+    built = IdempotencyMiddleware(app, store=store, **options)  # validates the options
+    document_openapi(app, built.options, built.routes)
     app.add_middleware(IdempotencyMiddleware, store=store, **options)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Literal
 
 from starlette.requests import HTTPConnection
@@ -14,15 +13,7 @@ from idempotency_mw._asgi import REPLAYED_HEADER
 from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.metrics import EventHook, guard
-from idempotency_mw.policy import (
-    Duration,
-    FingerprintMode,
-    RouteOptions,
-    Settings,
-    fingerprint_mode,
-    statuses,
-    to_seconds,
-)
+from idempotency_mw.policy import RouteOptions, Settings
 from idempotency_mw.stores.base import Store
 
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -84,35 +75,32 @@ class Options:
 def build_options(
     *,
     store: Store,
-    ttl: Duration = timedelta(hours=24),
-    lease: Duration = timedelta(seconds=60),
-    required: bool = False,
-    methods: Iterable[str] = DEFAULT_METHODS,
-    header_name: str = "Idempotency-Key",
-    routes: Mapping[str, RouteOptions] | None = None,
-    scope: CallerScope | None = None,
-    credential_headers: Iterable[str] = ("authorization",),
-    credential_cookies: Iterable[str] = (),
-    fingerprint_headers: Iterable[str] = (),
-    max_request_bytes: int = 1 << 20,
-    max_response_bytes: int = 1 << 20,
-    max_header_bytes: int = 1 << 16,
-    release_statuses: Iterable[int] = (),
-    fingerprint: FingerprintMode = "bytes",
-    wait: Duration = 0,
-    store_server_errors: bool = False,
-    mismatch_status: int = 409,
-    fail_open: bool = False,
-    retry_after: int = 1,
-    replay_headers_allow: Iterable[str] | None = None,
-    replay_headers_deny: Iterable[str] = DEFAULT_UNRECORDED_HEADERS,
-    on_lease_lost: LeaseLostAction = "cancel",
-    purge: PurgeSchedule | None = PurgeSchedule(),  # noqa: B008  (frozen, so shareable)
-    lifespan: bool = True,
-    on_event: EventHook | None = None,
+    methods: Iterable[str],
+    header_name: str,
+    routes: Mapping[str, RouteOptions] | None,
+    scope: CallerScope | None,
+    credential_headers: Iterable[str],
+    credential_cookies: Iterable[str],
+    fingerprint_headers: Iterable[str],
+    max_request_bytes: int,
+    max_response_bytes: int,
+    max_header_bytes: int,
+    store_server_errors: bool,
+    mismatch_status: int,
+    fail_open: bool,
+    retry_after: int,
+    replay_headers_allow: Iterable[str] | None,
+    replay_headers_deny: Iterable[str],
+    on_lease_lost: LeaseLostAction,
+    purge: PurgeSchedule | None,
+    lifespan: bool,
+    on_event: EventHook | None,
+    **route_defaults: object,
 ) -> Options:
-    """The options of :class:`~idempotency_mw.IdempotencyMiddleware`, validated (its
-    constructor's keyword arguments, documented there)."""
+    """The options of :class:`~idempotency_mw.IdempotencyMiddleware`, validated: its
+    constructor's keyword arguments (documented and given their defaults there), the route
+    settings among them (``ttl``, ``lease``, ... : the fields of
+    :class:`~idempotency_mw.policy.RoutePolicy`) as ``route_defaults``."""
     if not isinstance(store, Store):
         raise ConfigurationError(f"store must implement the Store protocol, got {store!r}")
     if not _accepts_binding(store):
@@ -136,14 +124,7 @@ def build_options(
     fingerprinted = tuple(sorted({name.lower() for name in fingerprint_headers}))
     return Options(
         store=store,
-        defaults=Settings(
-            ttl=to_seconds(ttl, "ttl"),
-            required=required,
-            lease=to_seconds(lease, "lease"),
-            release_statuses=statuses(release_statuses),
-            fingerprint=fingerprint_mode(fingerprint),
-            wait=to_seconds(wait, "wait", zero=True),
-        ),
+        defaults=Settings.defaults(route_defaults),
         methods=frozenset(method.upper() for method in methods),
         header_name=header_name,
         read_headers=frozenset(

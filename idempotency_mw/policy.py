@@ -9,8 +9,9 @@ not ours to guard or record.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any, Literal, TypedDict, TypeVar, cast
 
@@ -42,81 +43,6 @@ def to_seconds(value: Duration, name: str, *, zero: bool = False) -> float:
 FingerprintMode = Literal["bytes", "json"]
 
 
-@dataclass(frozen=True, slots=True)
-class RoutePolicy:
-    """Settings of one route; ``None`` means "the middleware's default"."""
-
-    ttl: float | None = None
-    required: bool | None = None
-    lease: float | None = None
-    release_statuses: frozenset[int] | None = None
-    fingerprint: FingerprintMode | None = None
-    wait: float | None = None
-    #: The caller's scope comes from the endpoint's dependency (``@idempotent(scope=...)``).
-    scoped: bool | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """The settings that apply to one request, all resolved."""
-
-    ttl: float
-    required: bool
-    lease: float
-    release_statuses: frozenset[int]
-    fingerprint: FingerprintMode
-    wait: float
-    scoped: bool = False
-
-    def merge(self, policy: RoutePolicy | None) -> Settings:
-        """These settings overridden by whatever ``policy`` sets."""
-        if policy is None:
-            return self
-        return Settings(
-            ttl=_either(policy.ttl, self.ttl),
-            required=_either(policy.required, self.required),
-            lease=_either(policy.lease, self.lease),
-            release_statuses=_either(policy.release_statuses, self.release_statuses),
-            fingerprint=_either(policy.fingerprint, self.fingerprint),
-            wait=_either(policy.wait, self.wait),
-            scoped=_either(policy.scoped, self.scoped),
-        )
-
-
-def _either(value: T | None, default: T) -> T:
-    return default if value is None else value
-
-
-class RouteOptions(TypedDict, total=False):
-    """Keyword options of :func:`idempotent`, as values of the middleware's ``routes`` mapping."""
-
-    ttl: Duration
-    required: bool
-    lease: Duration
-    release_statuses: Iterable[int]
-    fingerprint: FingerprintMode
-    wait: Duration
-
-
-def make_policy(
-    ttl: Duration | None = None,
-    required: bool | None = None,
-    lease: Duration | None = None,
-    release_statuses: Iterable[int] | None = None,
-    fingerprint: FingerprintMode | None = None,
-    wait: Duration | None = None,
-) -> RoutePolicy:
-    """A validated :class:`RoutePolicy`."""
-    return RoutePolicy(
-        ttl=None if ttl is None else to_seconds(ttl, "ttl"),
-        required=required,
-        lease=None if lease is None else to_seconds(lease, "lease"),
-        release_statuses=None if release_statuses is None else statuses(release_statuses),
-        fingerprint=None if fingerprint is None else fingerprint_mode(fingerprint),
-        wait=None if wait is None else to_seconds(wait, "wait", zero=True),
-    )
-
-
 def statuses(values: Iterable[int]) -> frozenset[int]:
     """HTTP statuses from 400 to 499, validated: only refusals may release a key."""
     found = frozenset(values)
@@ -133,6 +59,88 @@ def fingerprint_mode(value: str) -> FingerprintMode:
     if value == "json":
         return "json"
     raise ConfigurationError(f"fingerprint must be 'bytes' or 'json', got {value!r}")
+
+
+def _as_given(value: T) -> T:
+    return value
+
+
+def _duration(name: str, *, zero: bool = False) -> Callable[[Duration], float]:
+    return functools.partial(to_seconds, name=name, zero=zero)
+
+
+#: A field's metadata: what turns a value a user gives into the value kept (or raises
+#: :class:`ConfigurationError`).
+_CHECK = "check"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePolicy:
+    """Settings of one route; ``None`` means "the middleware's default".
+
+    The one declaration of the per-route settings, each with its validation. The others follow
+    it: :class:`Settings` (the same fields, resolved), :class:`RouteOptions` (the ``routes``
+    entries, for type checkers), and the keyword parameters of :func:`idempotent` and of the
+    middleware (listed for their readers); ``tests/test_route_settings.py`` checks they agree.
+    """
+
+    ttl: float | None = field(default=None, metadata={_CHECK: _duration("ttl")})
+    required: bool | None = field(default=None, metadata={_CHECK: _as_given})
+    lease: float | None = field(default=None, metadata={_CHECK: _duration("lease")})
+    release_statuses: frozenset[int] | None = field(default=None, metadata={_CHECK: statuses})
+    fingerprint: FingerprintMode | None = field(default=None, metadata={_CHECK: fingerprint_mode})
+    wait: float | None = field(default=None, metadata={_CHECK: _duration("wait", zero=True)})
+    #: The caller's scope comes from the endpoint's dependency (``@idempotent(scope=...)``).
+    scoped: bool | None = field(default=None, metadata={_CHECK: _as_given})
+
+    @classmethod
+    def of(cls, given: Mapping[str, object]) -> RoutePolicy:
+        """The policy of the settings ``given`` by name, validated (``None`` leaves one unset)."""
+        checks = {f.name: f.metadata[_CHECK] for f in fields(cls)}
+        unknown = sorted(set(given) - set(checks))
+        if unknown:
+            raise ConfigurationError(f"unknown route settings: {unknown}")
+        return cls(**{name: None if v is None else checks[name](v) for name, v in given.items()})
+
+    def settings(self) -> dict[str, Any]:
+        """The settings this policy sets, by name."""
+        return {name: value for name in _NAMES if (value := getattr(self, name)) is not None}
+
+
+_NAMES = tuple(f.name for f in fields(RoutePolicy))
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The settings that apply to one request, all resolved: the fields of :class:`RoutePolicy`."""
+
+    ttl: float
+    required: bool
+    lease: float
+    release_statuses: frozenset[int]
+    fingerprint: FingerprintMode
+    wait: float
+    scoped: bool = False
+
+    @classmethod
+    def defaults(cls, given: Mapping[str, object]) -> Settings:
+        """The middleware's defaults, validated as a route's settings are."""
+        return cls(**RoutePolicy.of(given).settings())
+
+    def merge(self, policy: RoutePolicy | None) -> Settings:
+        """These settings overridden by whatever ``policy`` sets."""
+        return self if policy is None else replace(self, **policy.settings())
+
+
+class RouteOptions(TypedDict, total=False):
+    """Keyword options of :func:`idempotent`, as values of the middleware's ``routes`` mapping."""
+
+    ttl: Duration
+    required: bool
+    lease: Duration
+    release_statuses: Iterable[int]
+    fingerprint: FingerprintMode
+    wait: Duration
 
 
 def idempotent(
@@ -159,9 +167,10 @@ def idempotent(
     answers, given before any key is claimed. The endpoint is then wrapped, so that FastAPI
     resolves the dependency with the endpoint's others.
     """
-    policy = make_policy(ttl, required, lease, release_statuses, fingerprint, wait)
-    if scope is not None:
-        policy = replace(policy, scoped=True)
+    # The parameters but scope are the route settings: listed for readers and type checkers,
+    # and taken as they are, so that a new setting is one more parameter here.
+    given = {name: value for name, value in locals().items() if name != "scope"}
+    policy = RoutePolicy.of({**given, "scoped": True if scope is not None else None})
 
     def decorate(endpoint: Endpoint) -> Endpoint:
         if scope is not None:
@@ -207,7 +216,7 @@ class RouteTable:
             if unknown:
                 raise ConfigurationError(f"unknown options for route {entry!r}: {sorted(unknown)}")
             method, template = _split_entry(entry)
-            policy = make_policy(**options)
+            policy = RoutePolicy.of(options)
             if any(char in template for char in "*?["):
                 self._patterns.append((method, template, policy))
             else:
@@ -235,14 +244,11 @@ class RouteTable:
         sources += [p for m, p in matching if m is None]
         if len(sources) <= 1:
             return sources[0] if sources else None
-        return RoutePolicy(
-            **{
-                field: next(
-                    (getattr(p, field) for p in sources if getattr(p, field) is not None), None
-                )
-                for field in RoutePolicy.__dataclass_fields__
-            }
-        )
+        # The first source that sets a field wins: merged from the least specific up.
+        merged: dict[str, Any] = {}
+        for source in reversed(sources):
+            merged.update(source.settings())
+        return RoutePolicy(**merged)
 
     def unmatched_entries(self, routes: Sequence[RouteInfo]) -> list[str]:
         """Entries of the mapping that name no route of the app (reported at start-up)."""

@@ -52,7 +52,7 @@ def store_call(
 
 
 def test_key_hash_is_the_log_lines_hash_of_scope_and_key() -> None:
-    assert hashlib.sha256(f"alice\0{KEY}".encode()).hexdigest()[:12] == HASH
+    assert hashlib.sha256(f"5:alice{KEY}".encode()).hexdigest()[:12] == HASH  # length-prefixed
     assert key_hash("bob", KEY) != HASH
 
 
