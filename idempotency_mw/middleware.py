@@ -3,6 +3,7 @@ policy, then hand the request to its :class:`~idempotency_mw.exchange.Exchange`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -198,6 +199,9 @@ def install(app: Any, *, store: Store, **options: Any) -> None:
     first request or the lifespan (a schema-export script, a ``TestClient`` used without
     ``with``).
     """
-    built = IdempotencyMiddleware(app, store=store, **options)  # validates the options
-    document_openapi(app, built.options, built.routes)
+    # The options validated as the middleware will take them, defaults from its signature.
+    given = inspect.signature(IdempotencyMiddleware).bind(app, store=store, **options)
+    given.apply_defaults()
+    built = build_options(**{name: v for name, v in given.arguments.items() if name != "app"})
+    document_openapi(app, built, RouteTable(built.routes))
     app.add_middleware(IdempotencyMiddleware, store=store, **options)

@@ -12,8 +12,9 @@ import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from idempotency_mw import IdempotencyMiddleware, SQLStore, idempotent, install
+from idempotency_mw import ConfigurationError, IdempotencyMiddleware, SQLStore, idempotent, install
 from idempotency_mw.lifespan import store_lifespan
+from idempotency_mw.testing import MemoryStore
 from tests.apps import PausableStore, client_for, make_app
 from tests.conftest import fresh_sql_store
 
@@ -115,3 +116,12 @@ async def test_a_client_without_lifespan_sees_the_documented_schema(tmp_path: Pa
     # As a TestClient used without `with`: requests, but no lifespan.
     async with client_for(guarded_app(store, use_install=False)) as client:
         assert_documented((await client.get("/openapi.json")).json())
+
+
+def test_install_refuses_wrong_options_and_adds_nothing() -> None:
+    app = FastAPI()
+    with pytest.raises(ConfigurationError, match="mismatch_status"):
+        install(app, store=MemoryStore(), mismatch_status=418)
+    with pytest.raises(TypeError, match="unknown"):
+        install(app, store=MemoryStore(), unknown=1)
+    assert app.user_middleware == []
