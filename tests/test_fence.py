@@ -59,6 +59,7 @@ def ticket_service(store: Any, engine: AsyncEngine, **options: Any) -> FastAPI:
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
     app.state.delay = 0.0
+    app.state.linger = 0.0
 
     async def session() -> AsyncIterator[AsyncSession]:
         async with AsyncSession(engine) as session:
@@ -76,6 +77,8 @@ def ticket_service(store: Any, engine: AsyncEngine, **options: Any) -> FastAPI:
                 await db.execute(tickets.insert().values(idem_key=key))
             ).inserted_primary_key
             await fence(db)
+        if then == "linger":
+            await anyio.sleep(app.state.linger)
         if then == "raise":
             raise RuntimeError("failed after its transaction committed")
         if then == "500":
@@ -186,6 +189,27 @@ async def test_a_takeover_after_a_lost_lease_commits_once(
     assert answers["first"].status_code == 409
     assert answers["first"].json()["type"].endswith("in-progress")
     assert await count(engine, "k") == 1
+
+
+async def test_a_committed_request_is_never_stopped_by_a_stalled_store(
+    store: PausableStore, engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The effect committed (fenced); then the store stalls past the lease. Nothing can take
+    # the key over any more, so the request goes on and its client gets the answer (no 503).
+    app = ticket_service(store, engine, lease=0.4)
+    app.state.linger = 1.0
+    store.pause("renew")
+    async with client_for(app) as client:
+        with anyio.fail_after(10):
+            first = await post(client, "c", "linger")
+        store.resume()
+        app.state.linger = 0.0
+        retry = await post(client, "c", "linger")
+    assert "did not confirm the lease in time, but the effect is committed" in caplog.text
+    assert first.status_code == 201
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert retry.json() == first.json()
+    assert await count(engine, "c") == 1
 
 
 async def test_fence_without_a_key_on_an_optional_route_does_nothing(
