@@ -112,7 +112,11 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
     else:
         from idempotency_mw.proofs import write_proof
 
-        _check_proven(await write_proof(connection, claim.scope, claim.key, claim.token, claim.ttl))
+        _check_proven(
+            await write_proof(
+                connection, claim.scope, claim.key, claim.token, claim.ttl, store=target
+            )
+        )
     claim.fenced = True
 
 
@@ -139,7 +143,11 @@ def fence_sync(session: Any, *, store: Store | None = None) -> None:
     else:
         from idempotency_mw.proofs import write_proof_sync
 
-        _check_proven(write_proof_sync(connection, claim.scope, claim.key, claim.token, claim.ttl))
+        _check_proven(
+            write_proof_sync(
+                connection, claim.scope, claim.key, claim.token, claim.ttl, store=target
+            )
+        )
     claim.fenced = True
 
 

@@ -99,20 +99,25 @@ _TOKEN = select(proofs.c.token).where(
 )
 
 
-async def write_proof(connection: Any, scope: str, key: str, token: str, ttl: float) -> bool:
+async def write_proof(
+    connection: Any, scope: str, key: str, token: str, ttl: float, *, store: object
+) -> bool:
     """Record, in ``connection``'s transaction (an ``AsyncConnection``), that ``token``'s run of
-    the key committed its effect: whether it may (no other run's live proof is there)."""
+    the key committed its effect: whether it may (no other run's live proof is there).
+    ``store``: the request's store, named in the error when the table is missing."""
     params = _params(scope, key, token, ttl)
     try:
         for statement in _statements(connection):
             result = await connection.execute(statement, params)
         rows = result.all()
     except DBAPIError as exc:
-        raise _missing_table(connection.engine.url, exc) from exc
+        raise _missing_table(connection.engine.url, store, exc) from exc
     return [row[0] for row in rows] == [token]
 
 
-def write_proof_sync(connection: Any, scope: str, key: str, token: str, ttl: float) -> bool:
+def write_proof_sync(
+    connection: Any, scope: str, key: str, token: str, ttl: float, *, store: object
+) -> bool:
     """:func:`write_proof` on a synchronous ``Connection``."""
     params = _params(scope, key, token, ttl)
     try:
@@ -120,7 +125,7 @@ def write_proof_sync(connection: Any, scope: str, key: str, token: str, ttl: flo
             result = connection.execute(statement, params)
         rows = result.all()
     except DBAPIError as exc:
-        raise _missing_table(connection.engine.url, exc) from exc
+        raise _missing_table(connection.engine.url, store, exc) from exc
     return [row[0] for row in rows] == [token]
 
 
@@ -140,11 +145,12 @@ def _params(scope: str, key: str, token: str, ttl: float) -> dict[str, Any]:
     }
 
 
-def _missing_table(url: Any, exc: DBAPIError) -> ConfigurationError:
+def _missing_table(url: Any, store: object, exc: DBAPIError) -> ConfigurationError:
     return ConfigurationError(
         f"fence() records its proof in the table {PROOF_TABLE!r} of the session's database "
-        f"({url.render_as_string(hide_password=True)}), since the store is not on that "
-        f"database, and could not write it ({type(exc.orig).__name__}): create it with "
+        f"({url.render_as_string(hide_password=True)}), since the store ({store!r}) is not "
+        f"known to be on that database (a SQLStore whose URL names the same host, port and "
+        f"database is), and could not write it ({type(exc.orig).__name__}): create it with "
         f"`idempotency-mw migrate --proofs --url <that url>`, with "
         "`idempotency_mw.proofs.proof_metadata.create_all`, or in your own Alembic project "
         "(the docs' Migrations page)"

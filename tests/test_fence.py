@@ -279,6 +279,8 @@ async def test_fence_outside_a_guarded_request_or_transaction_is_refused(
     assert "inside the transaction" in problems[0]
     # Another database than the store's: fence() writes its proof there, in a table it lacks.
     assert "idempotency_proofs" in problems[1]
+    assert "other.db" in problems[1]  # the session's database
+    assert "store.db" in problems[1]  # and the store's
 
 
 def test_lease_lost_is_an_idempotency_error() -> None:
