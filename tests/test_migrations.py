@@ -307,6 +307,25 @@ def test_cli_migrates_the_proof_table_on_its_own_branch(
     capsys.readouterr()
 
 
+def test_workers_migrating_a_fresh_database_at_once_all_succeed(fresh_database: str) -> None:
+    """Four processes started together (uvicorn workers, each migrating in its lifespan) take
+    the migration lock in turn: one creates the table, the others find it recorded."""
+    code = "import sys; from idempotency_mw.stores.sql.migrate import upgrade_sync; "
+    code += "upgrade_sync(sys.argv[1])"
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, fresh_database],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        for _ in range(4)
+    ]
+    errors = [worker.communicate(timeout=120)[1] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0] * 4, errors
+    assert _on_connection(fresh_database, _snapshot).versions == [SCHEMA_REVISION]
+
+
 def test_revision_0002_keeps_live_rows_both_ways(fresh_database: str) -> None:
     url = fresh_database
     assert main(["migrate", "--url", url, "--revision", "0001_idempotency_records"]) == 0

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from idempotency_mw.alembic import VERSION_TABLE
 from idempotency_mw.proofs import proof_metadata
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.migrate import migration_lock
 from idempotency_mw.stores.sql.schema import metadata
 
 #: The proof table's history is kept in a version table of its own (see ``migrate.py``).
@@ -53,11 +54,15 @@ def _run_offline() -> None:
 
 
 def _migrate(connection: Connection) -> None:
-    context.configure(
-        connection=connection, target_metadata=_METADATA, version_table=_VERSION_TABLE
-    )
-    with context.begin_transaction():
-        context.run_migrations()
+    # Several workers may start (and migrate) at once: one at a time, the later ones then
+    # find the revision recorded and do nothing.
+    with migration_lock(connection):
+        context.configure(
+            connection=connection, target_metadata=_METADATA, version_table=_VERSION_TABLE
+        )
+        with context.begin_transaction():
+            context.run_migrations()
+        connection.commit()
 
 
 async def _run_online() -> None:

@@ -3,16 +3,53 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.resources import files
 
 import anyio.to_thread
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import Connection
 from sqlalchemy.engine import URL
 
 from idempotency_mw.alembic import PROOF_VERSION_TABLE
 from idempotency_mw.stores.sql.drivers import async_url
 from idempotency_mw.stores.sql.store import SQLStore
+
+#: The advisory lock migrations hold (PostgreSQL's is a number, MariaDB's a name).
+_LOCK_ID, _LOCK_NAME = 7_305_944_173_201, "idempotency_mw_migrations"
+#: How long MariaDB's GET_LOCK waits, in seconds (it takes no "forever").
+_LOCK_WAIT = 600
+
+
+@contextmanager
+def migration_lock(connection: Connection) -> Iterator[None]:
+    """Hold ``connection``'s database's migration lock while the block runs, so that workers
+    started together migrate one after the other (the later ones then find nothing to do).
+
+    The block commits its own work before it ends: PostgreSQL and MariaDB hold an advisory
+    lock of the session until then; SQLite holds the database exclusively, which the block's
+    commit ends.
+    """
+    backend = connection.dialect.name
+    if backend == "sqlite":
+        connection.exec_driver_sql("BEGIN EXCLUSIVE")
+        yield
+        return
+    if backend == "postgresql":
+        lock = f"SELECT pg_advisory_lock({_LOCK_ID})"
+        unlock = f"SELECT pg_advisory_unlock({_LOCK_ID})"
+    else:
+        lock = f"SELECT GET_LOCK('{_LOCK_NAME}', {_LOCK_WAIT})"
+        unlock = f"SELECT RELEASE_LOCK('{_LOCK_NAME}')"
+    if connection.exec_driver_sql(lock).scalar() == 0:  # GET_LOCK timed out (NULL: an error)
+        raise TimeoutError(f"another migration held {_LOCK_NAME} for {_LOCK_WAIT} s")
+    try:
+        yield
+    finally:
+        connection.exec_driver_sql(unlock)
+        connection.commit()
 
 
 def alembic_config(url: str | URL, *, proofs: bool = False) -> Config:
