@@ -204,3 +204,26 @@ async def test_proofs_expire_with_the_key_and_the_purge_deletes_them(
     assert await count(app_engine, "e") == 2
     async with app_engine.connect() as conn:
         assert (await conn.execute(select(func.count()).select_from(proofs))).scalar_one() == 0
+
+
+def test_the_cli_purges_expired_proofs(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from sqlalchemy import create_engine, insert
+
+    from idempotency_mw.cli import main
+
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        proof_metadata.create_all(conn)
+        conn.execute(
+            insert(proofs),
+            [
+                {"scope": "", "key": "old", "token": "a" * 32, "expires_at": 0},
+                {"scope": "", "key": "live", "token": "b" * 32, "expires_at": 2**62},
+            ],
+        )
+    assert main(["purge", "--proofs", "--url", url]) == 0
+    assert "purged 1 expired fence() proofs" in capsys.readouterr().out
+    with engine.connect() as conn:
+        assert list(conn.execute(select(proofs.c.key)).scalars()) == ["live"]
+    engine.dispose()
