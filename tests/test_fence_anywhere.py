@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 import redis.asyncio
@@ -25,7 +26,7 @@ from idempotency_mw.cleanup import purge
 from idempotency_mw.proofs import ProofTable, proof_metadata, proofs
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
-from tests.apps import client_for
+from tests.apps import PausableStore, client_for
 from tests.conftest import POSTGRESQL_URL, fresh_sql_store, require_server
 from tests.faults import RedisServer
 
@@ -58,9 +59,11 @@ def order_service(store: Store, engine: AsyncEngine, **options: Any) -> FastAPI:
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
     app.state.problems = []
+    app.state.delay = 0.0
 
     @app.post("/orders", status_code=201)
     async def create(key: str) -> dict[str, int]:
+        await anyio.sleep(app.state.delay)
         async with AsyncSession(engine) as db, db.begin():
             inserted = await db.execute(orders.insert().values(idem_key=key))
             try:
@@ -129,6 +132,36 @@ async def test_a_memory_store_that_forgot_never_runs_a_fenced_effect_twice(
     assert_committed(answers[1])
     assert await count(engine, "m") == 1
     await engine.dispose()
+
+
+async def test_a_run_whose_lease_was_taken_over_finds_the_proof_and_rolls_back(
+    app_engine: AsyncEngine,
+) -> None:
+    # The first run's renewals stall past its lease and it goes on unprotected; a retry takes
+    # the key over in the store and commits. The first run's fence then finds the retry's
+    # proof: its transaction rolls back, and the retry's answer stays the recorded one.
+    store = PausableStore(MemoryStore())
+    app = order_service(store, app_engine, lease=0.4, on_lease_lost="continue")
+    app.state.delay = 1.0
+    answers: dict[str, httpx.Response] = {}
+    async with client_for(app) as client, anyio.create_task_group() as group:
+
+        async def first() -> None:
+            answers["first"] = await post(client, "t")
+
+        store.pause("renew")
+        group.start_soon(first)
+        await anyio.sleep(0.6)
+        app.state.delay = 0.0
+        answers["retry"] = await post(client, "t")
+    store.resume()
+    async with client_for(app) as client:
+        again = await post(client, "t")
+    assert answers["retry"].status_code == 201
+    assert_committed(answers["first"])
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json() == answers["retry"].json()
+    assert await count(app_engine, "t") == 1
 
 
 async def test_a_sql_store_on_another_database_fences_with_the_proof_table(
