@@ -22,7 +22,7 @@ from idempotency_mw import (
     fence_sync,
 )
 from idempotency_mw.stores.sql import async_url
-from tests.apps import PausableStore, client_for
+from tests.apps import PausableStore, client_for, taken_over
 from tests.conftest import fresh_sql_store
 
 pytestmark = pytest.mark.anyio
@@ -173,21 +173,10 @@ async def test_a_takeover_after_a_lost_lease_commits_once(
     # and its transaction rolls back: one ticket.
     app = ticket_service(store, engine, lease=0.4, on_lease_lost="continue")
     app.state.delay = 1.0
-    answers: dict[str, httpx.Response] = {}
-    async with client_for(app) as client, anyio.create_task_group() as group:
-
-        async def first() -> None:
-            answers["first"] = await post(client, "k")
-
-        store.pause("renew")
-        group.start_soon(first)
-        await anyio.sleep(0.6)
-        app.state.delay = 0.0
-        answers["retry"] = await post(client, "k")
-    store.resume()
-    assert answers["retry"].status_code == 201
-    assert answers["first"].status_code == 409
-    assert answers["first"].json()["type"].endswith("in-progress")
+    first, retry = await taken_over(app, store, lambda client: post(client, "k"))
+    assert retry.status_code == 201
+    assert first.status_code == 409
+    assert first.json()["type"].endswith("in-progress")
     assert await count(engine, "k") == 1
 
 

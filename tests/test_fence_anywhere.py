@@ -26,7 +26,7 @@ from idempotency_mw.cleanup import purge
 from idempotency_mw.proofs import ProofTable, proof_metadata, proofs
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
-from tests.apps import PausableStore, client_for
+from tests.apps import PausableStore, client_for, taken_over
 from tests.conftest import POSTGRESQL_URL, fresh_sql_store, require_server
 from tests.faults import RedisServer
 
@@ -143,24 +143,13 @@ async def test_a_run_whose_lease_was_taken_over_finds_the_proof_and_rolls_back(
     store = PausableStore(MemoryStore())
     app = order_service(store, app_engine, lease=0.4, on_lease_lost="continue")
     app.state.delay = 1.0
-    answers: dict[str, httpx.Response] = {}
-    async with client_for(app) as client, anyio.create_task_group() as group:
-
-        async def first() -> None:
-            answers["first"] = await post(client, "t")
-
-        store.pause("renew")
-        group.start_soon(first)
-        await anyio.sleep(0.6)
-        app.state.delay = 0.0
-        answers["retry"] = await post(client, "t")
-    store.resume()
+    first, retry = await taken_over(app, store, lambda client: post(client, "t"))
     async with client_for(app) as client:
         again = await post(client, "t")
-    assert answers["retry"].status_code == 201
-    assert_committed(answers["first"])
+    assert retry.status_code == 201
+    assert_committed(first)
     assert again.headers["idempotent-replayed"] == "true"
-    assert again.json() == answers["retry"].json()
+    assert again.json() == retry.json()
     assert await count(app_engine, "t") == 1
 
 
