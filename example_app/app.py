@@ -20,7 +20,18 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
-from sqlalchemy import Column, Integer, MetaData, String, Table, Text, func, insert, select
+from sqlalchemy import (
+    Column,
+    Connection,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    func,
+    insert,
+    select,
+)
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from starlette.requests import HTTPConnection
 
@@ -28,7 +39,7 @@ from example_app.orders import add_order_routes, orders_metadata
 from idempotency_mw import IdempotencyMiddleware, SQLStore, fence, idempotent
 from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.stores.sql import async_url
-from idempotency_mw.stores.sql.migrate import upgrade
+from idempotency_mw.stores.sql.migrate import migration_lock, upgrade
 
 DEFAULT_DATABASE_URL = "sqlite:///./example.db"
 
@@ -88,14 +99,18 @@ def create_app(
     with the order routes of :mod:`example_app.orders`. ``ticket_ttl``: how long a ticket's
     response is replayed."""
     url = database_url or os.environ.get("EXAMPLE_DATABASE_URL", DEFAULT_DATABASE_URL)
-    engine: AsyncEngine = create_async_engine(async_url(url), connect_args=_connect_args(url))
+    # pool_pre_ping: a connection the database closed (a restart, a reset) is replaced before
+    # a handler gets it, instead of failing that handler with a 500.
+    engine: AsyncEngine = create_async_engine(
+        async_url(url), connect_args=_connect_args(url), pool_pre_ping=True
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Workers started together each migrate: the lock makes them take turns.
         await upgrade(url)
-        async with engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
-            await conn.run_sync(orders_metadata.create_all)
+        async with engine.connect() as conn:
+            await conn.run_sync(_create_tables)
         yield
         await engine.dispose()
 
@@ -183,6 +198,13 @@ async def in_process(
         ) as http,
     ):
         yield http
+
+
+def _create_tables(connection: Connection) -> None:
+    with migration_lock(connection):
+        metadata.create_all(connection)
+        orders_metadata.create_all(connection)
+        connection.commit()
 
 
 def _connect_args(url: str) -> dict[str, object]:

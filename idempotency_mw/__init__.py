@@ -14,6 +14,7 @@ from idempotency_mw._version import __version__
 from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.exceptions import (
     ConfigurationError,
+    EffectCommitted,
     IdempotencyError,
     LeaseLost,
     SchemaError,
@@ -34,6 +35,7 @@ __all__ = [
     "Claim",
     "ClaimOutcome",
     "ConfigurationError",
+    "EffectCommitted",
     "IdempotencyError",
     "IdempotencyMiddleware",
     "LeaseLost",

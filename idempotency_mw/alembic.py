@@ -13,6 +13,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from idempotency_mw.proofs import PROOF_TABLE, proof_metadata
 from idempotency_mw.stores.sql.schema import TABLE_NAME, metadata
 
 if TYPE_CHECKING:
@@ -21,21 +22,29 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BRANCH_LABEL",
+    "PROOF_VERSION_LOCATION",
+    "PROOF_VERSION_TABLE",
     "VERSION_LOCATION",
     "VERSION_TABLE",
     "include_object",
     "metadata",
     "process_revision_directives",
+    "proof_metadata",
 ]
 
 #: The branch label of the packaged revisions: ``alembic upgrade idempotency_mw@head``.
 BRANCH_LABEL = "idempotency_mw"
 #: The ``version_locations`` entry that adds the packaged revisions to your project.
 VERSION_LOCATION = "idempotency_mw:migrations/versions"
+#: The ``version_locations`` entry of the proof table ``fence()`` writes when the store is on
+#: another database (branch ``idempotency_mw_proofs``).
+PROOF_VERSION_LOCATION = "idempotency_mw:migrations/proofs"
 #: Where ``idempotency-mw migrate`` records its revision (kept apart from ``alembic_version``).
 VERSION_TABLE = "idempotency_mw_alembic_version"
+#: Where ``idempotency-mw migrate --proofs`` records the proof table's revision.
+PROOF_VERSION_TABLE = "idempotency_mw_proofs_alembic_version"
 
-_OUR_TABLES = frozenset({TABLE_NAME, VERSION_TABLE})
+_OUR_TABLES = frozenset({TABLE_NAME, PROOF_TABLE, VERSION_TABLE, PROOF_VERSION_TABLE})
 
 
 def include_object(
@@ -50,8 +59,9 @@ def include_object(
     return not (type_ == "table" and reflected and compare_to is None and name in _OUR_TABLES)
 
 
-def _versions_folder() -> Path:
-    return Path(str(files("idempotency_mw") / "migrations" / "versions")).resolve()
+def _versions_folders() -> set[Path]:
+    migrations = files("idempotency_mw") / "migrations"
+    return {Path(str(migrations / name)).resolve() for name in ("versions", "proofs")}
 
 
 class _RefusedVersionPath(os.PathLike[str]):
@@ -84,25 +94,26 @@ def process_revision_directives(
     script_directory = context.script
     if script_directory is None:
         return
-    ours = _versions_folder()
+    ours = _versions_folders()
     for directive in directives:
         try:
             parents = script_directory.revision_map.get_revisions(directive.head or "head")
         except RevisionError:  # several heads and no --head: Alembic says so itself
             continue
         on_our_branch = any(
-            Path(parent.path).resolve().parent == ours
+            Path(parent.path).resolve().parent in ours
             for parent in parents
             if isinstance(parent, Script)
         )
         into_package = (
-            directive.version_path is not None and Path(directive.version_path).resolve() == ours
+            directive.version_path is not None and Path(directive.version_path).resolve() in ours
         )
         if on_our_branch or into_package:
             # Alembic accepts any os.PathLike here, though it annotates the attribute as str.
             directive.version_path = _RefusedVersionPath(  # type: ignore[assignment]
-                f"idempotency-mw: this revision would be written into {ours} (the installed "
-                "package) or onto its branch; give your revisions a branch of your own: "
+                "idempotency-mw: this revision would be written into "
+                f"{' or '.join(sorted(map(str, ours)))} (the installed package) or onto its "
+                "branch; give your revisions a branch of your own: "
                 "the first with `alembic revision --autogenerate --head base --branch-label app "
                 "--version-path alembic/versions -m ...`, later ones with `--head app@head`"
             )

@@ -10,17 +10,26 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 from idempotency_mw._backoff import Backoff
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.policy import Duration, to_seconds
-from idempotency_mw.stores.base import Store
 
 logger = logging.getLogger("idempotency_mw")
 
 DEFAULT_BATCH_SIZE = 1000
 DEFAULT_INTERVAL = timedelta(minutes=10)
 DEFAULT_FIRST_RETRY = timedelta(seconds=5)
+
+
+class Purgeable(Protocol):
+    """What a purge needs: a store, or the proof table
+    (:class:`~idempotency_mw.proofs.ProofTable`)."""
+
+    async def purge_expired(self, *, batch_size: int) -> int | None:
+        """Delete at most ``batch_size`` expired rows; ``None``: they expire by themselves."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +43,7 @@ class PurgeReport:
     self_expiring: bool = False
 
 
-async def purge(store: Store, *, batch_size: int = DEFAULT_BATCH_SIZE) -> PurgeReport:
+async def purge(store: Purgeable, *, batch_size: int = DEFAULT_BATCH_SIZE) -> PurgeReport:
     """Delete every expired record, ``batch_size`` rows per short transaction."""
     if batch_size < 1:
         raise ConfigurationError("batch_size must be at least 1")
@@ -83,7 +92,7 @@ class PurgeSchedule:
         if self.batch_size < 1:
             raise ConfigurationError("batch_size must be at least 1")
 
-    async def run(self, store: Store, stats: PurgeStats | None = None) -> None:
+    async def run(self, store: Purgeable, stats: PurgeStats | None = None) -> None:
         """Purge on this schedule until cancelled (or the store expires records by itself)."""
         stats = PurgeStats() if stats is None else stats
         interval = to_seconds(self.interval, "interval")
@@ -124,7 +133,7 @@ class PurgeSchedule:
 
 @asynccontextmanager
 async def background_purge(
-    store: Store, schedule: PurgeSchedule | None = None
+    store: Purgeable, schedule: PurgeSchedule | None = None
 ) -> AsyncIterator[PurgeStats]:
     """Purge on ``schedule`` while the block runs (for a FastAPI ``lifespan=``).
 

@@ -69,7 +69,7 @@ def _migrate(args: argparse.Namespace) -> int:
     if is_redis_url(args.url):
         print(f"{PROG}: Redis keeps no table: nothing to {args.command}")
         return 0
-    config = alembic_config(args.url)
+    config = alembic_config(args.url, proofs=args.proofs)
     try:
         if args.command == "migrate":
             command.upgrade(config, args.revision)
@@ -96,8 +96,24 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    print(f"{PROG}: {_run(_purged(args.url, args.batch_size, args.prefix), args.timeout)}")
+    purged = _purged_proofs if args.proofs else _purged
+    print(f"{PROG}: {_run(purged(args.url, args.batch_size, args.prefix), args.timeout)}")
     return 0
+
+
+async def _purged_proofs(url: str, batch_size: int, prefix: str) -> str:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from idempotency_mw.cleanup import purge
+    from idempotency_mw.proofs import ProofTable
+    from idempotency_mw.stores.sql import async_url
+
+    engine = create_async_engine(async_url(url))
+    try:
+        report = await purge(ProofTable(engine), batch_size=batch_size)
+    finally:
+        await engine.dispose()
+    return f"purged {report.deleted} expired fence() proofs in {report.seconds:.3f} s"
 
 
 async def _purged(url: str, batch_size: int, prefix: str) -> str:
@@ -445,6 +461,12 @@ def _parser() -> argparse.ArgumentParser:
     downgrade = command("downgrade", _migrate, "downgrade the table (base removes it)")
     downgrade.add_argument("--url", required=True, help="database URL")
     downgrade.add_argument("--revision", default="base", help="target revision (default: base)")
+    for sub in (migrate, downgrade):
+        sub.add_argument(
+            "--proofs",
+            action="store_true",
+            help="the fence() proof table, in the app's database (a store elsewhere)",
+        )
 
     purge = command("purge", _purge, "delete expired records now")
     purge.add_argument("--url", required=True, help="database or redis:// URL")
@@ -454,6 +476,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     purge.add_argument(
         "--timeout", type=float, default=3600.0, help="seconds the purge may take in all"
+    )
+    purge.add_argument(
+        "--proofs", action="store_true", help="the fence() proof table of this database URL"
     )
 
     inspect = command("inspect", _inspect, "show one key's record (never its body unless --body)")

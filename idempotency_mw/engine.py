@@ -174,7 +174,9 @@ class Hold:
         if not await keeper.prove_before_start():
             raise LeaseUnproven
         request = call.request
-        self.claim_held = CurrentClaim(self.engine.store, request.scope, request.key, claim.token)
+        self.claim_held = CurrentClaim(
+            self.engine.store, request.scope, request.key, claim.token, request.ttl
+        )
         call.emit(EventKind.CLAIM_STARTED)
         self._keeping = asyncio.ensure_future(keeper.keep())  # awaited when the block ends
         return claim

@@ -23,6 +23,12 @@ class LeaseLost(IdempotencyError):
     raised by :func:`~idempotency_mw.fence` so that the application's transaction rolls back."""
 
 
+class EffectCommitted(LeaseLost):
+    """Raised by :func:`~idempotency_mw.fence` when an earlier run of the key already committed
+    its effect (its proof is in the application's database, whatever the store forgot): roll
+    back; the client is told the key took effect."""
+
+
 class SettlementFeedUnsupported(IdempotencyError):
     """The store's backend cannot announce settled records (SQLite, MariaDB/MySQL, a
     PostgreSQL driver other than asyncpg): requests that wait for a key poll the store instead.

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from idempotency_mw._asgi import ReplayReceive, ResponseRecorder, send_replay
 from idempotency_mw.door import ENDPOINT
 from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, Hold, LeaseUnproven
-from idempotency_mw.exceptions import LeaseLost, StoreError
+from idempotency_mw.exceptions import EffectCommitted, LeaseLost, StoreError
 from idempotency_mw.fence import (
     AT_THE_ENDPOINT,
     UNPROTECTED,
@@ -178,6 +178,16 @@ class Exchange:
             await self.app(self.scope, receive, self._send_from_app)
         except AnsweredInstead:
             pass  # fence() in a dependency found a replay or a refusal, answered already
+        except EffectCommitted:
+            if recorder.status is not None:
+                raise
+            # fence() found the proof of an earlier run that committed (the store forgot it):
+            # the answer is recorded, so a retry is told the same without running again.
+            self._began = True
+            problem, status, detail = _REFUSALS[ClaimOutcome.COMMITTED_WITHOUT_RESPONSE]
+            await send_problem(
+                recorder.send, problem, status, detail, retry_after=self.options.retry_after
+            )
         except LeaseLost:
             if recorder.status is not None:
                 raise

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.from_thread
 
-from idempotency_mw.exceptions import ConfigurationError, LeaseLost
+from idempotency_mw.exceptions import ConfigurationError, EffectCommitted, LeaseLost
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -31,6 +31,8 @@ class CurrentClaim:
     scope: str
     key: str
     token: str
+    #: The key's TTL in seconds: how long a proof in the application's database lives.
+    ttl: float
     #: Set once ``fence()`` marked the effect in the app's transaction: from then on nothing
     #: can take the key over, so a lost lease never stops the call.
     fenced: bool = False
@@ -79,13 +81,17 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
     """Check, inside ``session``'s transaction, that this request still owns its key, and mark
     the key's effect committed in the same transaction.
 
-    ``session`` is an ``AsyncSession`` or ``AsyncConnection`` in a transaction on the database
-    of the middleware's ``SQLStore`` (or of ``store``). If another request took the key over,
-    :class:`~idempotency_mw.LeaseLost` is raised and the transaction must roll back: the effect
-    is never committed twice. Once committed, the key never runs again within its TTL. A
-    request sent without a key (on a route where the key is optional) has nothing to fence:
-    ``fence`` then does nothing, and so it does for a request the middleware runs unprotected
-    because its store failed (``fail_open=True``).
+    ``session`` is an ``AsyncSession`` or ``AsyncConnection`` in a transaction. On the database
+    of the middleware's ``SQLStore`` (or of ``store``) the store's own record is marked; with
+    any other store (Redis, ``MemoryStore``, a SQL store elsewhere) a row of the proof table
+    (:mod:`idempotency_mw.proofs`) in the session's database is written instead. If another
+    request took the key over, :class:`~idempotency_mw.LeaseLost` is raised, and
+    :class:`~idempotency_mw.EffectCommitted` (a ``LeaseLost``) if an earlier run committed
+    its effect: the transaction must roll back, the effect is never committed twice. Once
+    committed, the key never runs again within its TTL, whatever the store forgets. A request
+    sent without a key (on a route where the key is optional) has nothing to fence: ``fence``
+    then does nothing, and so it does for a request the middleware runs unprotected because
+    its store failed (``fail_open=True``).
     """
     entrance = current_entrance.get()
     if current_claim.get() is None and entrance is not None:
@@ -100,10 +106,17 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
             "(e.g. `async with session.begin(): ... await fence(session)`)"
         )
     connection = await session.connection() if hasattr(session, "get_bind") else session
-    _check_same_database(target, connection.engine.url)
-    statement, params = target.fence_statement(claim.scope, claim.key, claim.token)
-    result = await connection.execute(statement, params)
-    _check_owned(result.rowcount)
+    if _on_the_store(target, connection.engine.url):
+        statement, params = target.fence_statement(claim.scope, claim.key, claim.token)
+        _check_owned((await connection.execute(statement, params)).rowcount)
+    else:
+        from idempotency_mw.proofs import write_proof
+
+        _check_proven(
+            await write_proof(
+                connection, claim.scope, claim.key, claim.token, claim.ttl, store=target
+            )
+        )
     claim.fenced = True
 
 
@@ -124,9 +137,17 @@ def fence_sync(session: Any, *, store: Store | None = None) -> None:
             "(e.g. `with session.begin(): ... fence_sync(session)`)"
         )
     connection = session.connection() if hasattr(session, "get_bind") else session
-    _check_same_database(target, connection.engine.url)
-    statement, params = target.fence_statement(claim.scope, claim.key, claim.token)
-    _check_owned(connection.execute(statement, params).rowcount)
+    if _on_the_store(target, connection.engine.url):
+        statement, params = target.fence_statement(claim.scope, claim.key, claim.token)
+        _check_owned(connection.execute(statement, params).rowcount)
+    else:
+        from idempotency_mw.proofs import write_proof_sync
+
+        _check_proven(
+            write_proof_sync(
+                connection, claim.scope, claim.key, claim.token, claim.ttl, store=target
+            )
+        )
     claim.fenced = True
 
 
@@ -144,23 +165,13 @@ def _claim_and_store(store: Store | None) -> tuple[CurrentClaim, Any]:
             "fence() is only for a request guarded by IdempotencyMiddleware with a key "
             "(none is being handled here)"
         )
-    target = claim.store if store is None else store
-    if not hasattr(target, "fence_statement"):
-        raise ConfigurationError(
-            f"fence() needs a SQLStore on the application's database; {target!r} cannot take "
-            "part in the application's transaction"
-        )
-    return claim, target
+    return claim, claim.store if store is None else store
 
 
-def _check_same_database(store: Any, url: URL) -> None:
-    if _database_of(store.url) != _database_of(url):
-        raise ConfigurationError(
-            "fence() was given a session on another database than the idempotency store's "
-            f"({url.render_as_string(hide_password=True)} is not "
-            f"{store.url.render_as_string(hide_password=True)}): write the host the same way "
-            "in both URLs, or pass store= for the SQLStore on the session's database"
-        )
+def _on_the_store(store: Any, url: URL) -> bool:
+    """Whether ``url`` is the database of ``store`` (a SQLStore): then its own record is the
+    proof; any other store's proof is a row of the proof table on the session's database."""
+    return hasattr(store, "fence_statement") and _database_of(store.url) == _database_of(url)
 
 
 _DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}
@@ -179,4 +190,12 @@ def _check_owned(rowcount: int) -> None:
         raise LeaseLost(
             "this request no longer holds its Idempotency-Key (another request took it over): "
             "roll back, the effect must not be committed twice"
+        )
+
+
+def _check_proven(proven: bool) -> None:
+    if not proven:
+        raise EffectCommitted(
+            "an earlier run of this Idempotency-Key committed its effect (its proof is in the "
+            "application's database): roll back, the effect must not be committed twice"
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -198,3 +198,26 @@ class PausableStore:
     async def aclose(self) -> None:
         self.closed += 1
         await self.inner.aclose()
+
+
+async def taken_over(
+    app: FastAPI,
+    store: PausableStore,
+    send: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]],
+) -> tuple[httpx.Response, httpx.Response]:
+    """The first and the retry's answers, when the first request (its handler delayed by
+    ``app.state.delay``) has its renewals stall past its lease, and a retry sent meanwhile,
+    without the delay, takes its key over."""
+    answers: dict[str, httpx.Response] = {}
+    async with client_for(app) as client, anyio.create_task_group() as group:
+
+        async def first() -> None:
+            answers["first"] = await send(client)
+
+        store.pause("renew")
+        group.start_soon(first)
+        await anyio.sleep(0.6)
+        app.state.delay = 0.0
+        answers["retry"] = await send(client)
+    store.resume()
+    return answers["first"], answers["retry"]

@@ -265,6 +265,67 @@ def test_cli_migrate_and_downgrade(fresh_database: str, capsys: pytest.CaptureFi
     assert downgraded.versions == []
 
 
+def test_cli_migrates_the_proof_table_on_its_own_branch(
+    fresh_database: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``migrate --proofs`` makes the proof table as its model says, beside (never inside) the
+    idempotency table's own history, and ``downgrade --proofs`` removes it alone."""
+    from idempotency_mw.alembic import PROOF_VERSION_TABLE
+    from idempotency_mw.proofs import PROOF_TABLE, proof_metadata
+
+    url = fresh_database
+
+    def proof_differences(conn: Connection) -> tuple[set[str], list[str], list[Any]]:
+        tables = set(inspect(conn).get_table_names())
+        versions = []
+        if PROOF_VERSION_TABLE in tables:
+            versions = list(
+                conn.execute(text(f"SELECT version_num FROM {PROOF_VERSION_TABLE}")).scalars()
+            )
+        context = MigrationContext.configure(
+            conn,
+            opts={
+                "compare_type": True,
+                "include_name": lambda name, type_, _: type_ != "table" or name == PROOF_TABLE,
+            },
+        )
+        return tables, versions, list(compare_metadata(context, proof_metadata))
+
+    assert main(["migrate", "--url", url]) == 0
+    assert main(["migrate", "--proofs", "--url", url]) == 0
+    assert main(["migrate", "--proofs", "--url", url]) == 0  # idempotent
+    tables, versions, differences = _on_connection(url, proof_differences)
+    assert {PROOF_TABLE, TABLE_NAME} <= tables
+    assert versions == ["0001_idempotency_proofs"]
+    assert differences == []
+    assert _on_connection(url, _snapshot).versions == [SCHEMA_REVISION]
+    assert main(["downgrade", "--proofs", "--url", url]) == 0
+    tables, versions, _ = _on_connection(url, proof_differences)
+    assert PROOF_TABLE not in tables
+    assert TABLE_NAME in tables
+    assert versions == []
+    capsys.readouterr()
+
+
+def test_workers_migrating_a_fresh_database_at_once_all_succeed(fresh_database: str) -> None:
+    """Four processes started together (uvicorn workers, each migrating in its lifespan) take
+    the migration lock in turn: one creates the table, the others find it recorded."""
+    code = "import sys; from idempotency_mw.stores.sql.migrate import upgrade_sync; "
+    code += "upgrade_sync(sys.argv[1])"
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, fresh_database],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        for _ in range(4)
+    ]
+    errors = [worker.communicate(timeout=120)[1] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0] * 4, errors
+    assert _on_connection(fresh_database, _snapshot).versions == [SCHEMA_REVISION]
+
+
 def test_revision_0002_keeps_live_rows_both_ways(fresh_database: str) -> None:
     url = fresh_database
     assert main(["migrate", "--url", url, "--revision", "0001_idempotency_records"]) == 0

@@ -17,8 +17,14 @@ from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw.alembic import VERSION_TABLE
+from idempotency_mw.proofs import proof_metadata
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.migrate import migration_lock
 from idempotency_mw.stores.sql.schema import metadata
+
+#: The proof table's history is kept in a version table of its own (see ``migrate.py``).
+_VERSION_TABLE = context.config.get_main_option("version_table") or VERSION_TABLE
+_METADATA = [metadata, proof_metadata]
 
 
 def _not_a_primary_key_name_note(record: logging.LogRecord) -> bool:
@@ -40,17 +46,23 @@ def _run_offline() -> None:
     context.configure(
         url=async_url(_url()),
         literal_binds=True,
-        target_metadata=metadata,
-        version_table=VERSION_TABLE,
+        target_metadata=_METADATA,
+        version_table=_VERSION_TABLE,
     )
     with context.begin_transaction():
         context.run_migrations()
 
 
 def _migrate(connection: Connection) -> None:
-    context.configure(connection=connection, target_metadata=metadata, version_table=VERSION_TABLE)
-    with context.begin_transaction():
-        context.run_migrations()
+    # Several workers may start (and migrate) at once: one at a time, the later ones then
+    # find the revision recorded and do nothing.
+    with migration_lock(connection):
+        context.configure(
+            connection=connection, target_metadata=_METADATA, version_table=_VERSION_TABLE
+        )
+        with context.begin_transaction():
+            context.run_migrations()
+        connection.commit()
 
 
 async def _run_online() -> None:

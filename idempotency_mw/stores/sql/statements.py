@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    Table,
     and_,
     bindparam,
     delete,
@@ -25,6 +26,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import (
     ClauseElement,
+    ColumnElement,
     Delete,
     Executable,
     FunctionElement,
@@ -188,21 +190,9 @@ SILENT = Settling(COMPLETE, RELEASE, RELEASE_COMMITTED)
 FENCE = update(records).where(KEY_IS, MINE).values(committed_at=NOW)
 
 _BATCH = bindparam("p_batch_size", type_=Integer)
-#: At most ``p_batch_size`` expired records, oldest first. SKIP LOCKED lets concurrent purgers
-#: and claims pass each other on PostgreSQL instead of waiting or deadlocking; SQLite, one
-#: writer at a time, ignores it.
-PURGE_OLDEST = delete(records).where(
-    tuple_(records.c.scope, records.c.key).in_(
-        select(records.c.scope, records.c.key)
-        .where(EXPIRED)
-        .order_by(records.c.expires_at)
-        .limit(_BATCH)
-        .with_for_update(skip_locked=True)
-    )
-)
 
 
-class _DeleteLimit(Executable, ClauseElement):
+class DeleteLimit(Executable, ClauseElement):
     """``DELETE ... LIMIT :p_batch_size``: MariaDB takes no LIMIT in an IN subquery.
 
     SQLAlchemy's own ``mysql_limit`` writes the number into the SQL, so every batch size would
@@ -215,17 +205,31 @@ class _DeleteLimit(Executable, ClauseElement):
         self.statement = statement
 
 
-@compiles(_DeleteLimit)
-def _compile_delete_limit(element: _DeleteLimit, compiler: SQLCompiler, **kw: Any) -> str:
+@compiles(DeleteLimit)
+def _compile_delete_limit(element: DeleteLimit, compiler: SQLCompiler, **kw: Any) -> str:
     return f"{compiler.process(element.statement, **kw)} LIMIT {compiler.process(_BATCH, **kw)}"
 
 
-#: At most ``p_batch_size`` expired records, in no order (MariaDB/MySQL).
-PURGE_LIMITED = _DeleteLimit(delete(records).where(EXPIRED))
-#: Each dialect's purge, run with ``p_batch_size``.
-PURGES: dict[str, Executable] = {
-    "sqlite": PURGE_OLDEST,
-    "postgresql": PURGE_OLDEST,
-    "mysql": PURGE_LIMITED,
-    "mariadb": PURGE_LIMITED,
-}
+def purges_of(table: Table, expired: ColumnElement[bool]) -> dict[str, Executable]:
+    """Each dialect's purge of ``table`` (keyed by scope and key, expiring at ``expires_at``):
+    at most ``p_batch_size`` rows that are ``expired``.
+
+    PostgreSQL and SQLite delete the oldest first; SKIP LOCKED lets concurrent purgers and
+    claims pass each other on PostgreSQL instead of waiting or deadlocking (SQLite, one writer
+    at a time, ignores it). MariaDB/MySQL delete in no order.
+    """
+    oldest = delete(table).where(
+        tuple_(table.c.scope, table.c.key).in_(
+            select(table.c.scope, table.c.key)
+            .where(expired)
+            .order_by(table.c.expires_at)
+            .limit(_BATCH)
+            .with_for_update(skip_locked=True)
+        )
+    )
+    limited = DeleteLimit(delete(table).where(expired))
+    return {"sqlite": oldest, "postgresql": oldest, "mysql": limited, "mariadb": limited}
+
+
+#: Each dialect's purge of expired records, run with ``p_batch_size``.
+PURGES = purges_of(records, EXPIRED)
