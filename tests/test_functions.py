@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
-from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, func, select
+from sqlalchemy import create_engine, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw import ConfigurationError, Store, fence, fence_sync
@@ -30,16 +30,9 @@ from idempotency_mw.functions import (
 from idempotency_mw.stores.sql import async_url
 from tests.conftest import POSTGRESQL_URL, REDIS_URL, fresh_sql_store, require_server
 from tests.function_worker import charge, protected, store_at
+from tests.queue_consumer import effects, metadata
 
 pytestmark = pytest.mark.anyio
-
-metadata = MetaData()
-effects = Table(
-    "function_effects",
-    metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("ref", String(100), nullable=False),
-)
 
 
 async def test_a_call_runs_once_and_a_repeat_gets_its_result(store: Store) -> None:
@@ -224,7 +217,7 @@ async def effect_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
 async def count(engine: AsyncEngine, ref: str) -> int:
     async with engine.connect() as conn:
         result = await conn.scalar(
-            select(func.count()).select_from(effects).where(effects.c.ref == ref)
+            select(func.count()).select_from(effects).where(effects.c.message_id == ref)
         )
     return int(result or 0)
 
@@ -237,7 +230,7 @@ async def test_a_fenced_effect_that_then_fails_is_never_run_again(
 
     async def ship(ref: str) -> None:
         async with effect_engine.begin() as conn:
-            await conn.execute(effects.insert().values(ref=ref))
+            await conn.execute(effects.insert().values(message_id=ref))
             await fence(conn)
         raise RuntimeError("the mailer failed after the commit")
 
@@ -256,7 +249,7 @@ async def test_fence_sync_in_a_sync_function(database_url: str, effect_engine: A
 
     def ship(ref: str) -> int:
         with engine.begin() as conn:
-            conn.execute(effects.insert().values(ref=ref))
+            conn.execute(effects.insert().values(message_id=ref))
             fence_sync(conn)
         return 1
 
