@@ -22,6 +22,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import INVALID_PARAMS, CallToolRequestParams, CallToolResult
 
 from idempotency_mw.exceptions import IdempotencyError, LeaseLost, StoreError
+from idempotency_mw.fence import UNKEYED, current_claim
 from idempotency_mw.functions import (
     CommittedWithoutResult,
     IdempotentFunctions,
@@ -119,9 +120,16 @@ class IdempotentTools(Extension):
         ctx: ServerRequestContext[Any, Any],
         call_next: CallNext,
     ) -> HandlerResult:
-        key = (params.meta or {}).get(META_KEY)
-        if key is None or (self.protected is not None and params.name not in self.protected):
+        if self.protected is not None and params.name not in self.protected:
             return await call_next(ctx)
+        key = (params.meta or {}).get(META_KEY)
+        if key is None:
+            # As a request without a key on an optional route: fence() has nothing to do.
+            reset = current_claim.set(UNKEYED)
+            try:
+                return await call_next(ctx)
+            finally:
+                current_claim.reset(reset)
         if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
             raise MCPError(
                 INVALID_PARAMS,

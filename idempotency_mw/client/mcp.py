@@ -98,19 +98,35 @@ class ToolTransport(httpx.AsyncBaseTransport):
         if self._session is not None:
             outcome = await self._call(self._session, request)
         else:
-            assert self._connect is not None
-            # The outcome is raised once the session is closed: raised inside, it would come
-            # out of the session's task group wrapped in an exception group.
+            outcome = await self._call_in_own_session(request)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def _call_in_own_session(
+        self, request: httpx.Request
+    ) -> httpx.Response | httpx.TransportError:
+        """The call in a session opened for it. The outcome is raised once the session is
+        closed: raised inside, it would come out of the session's task group wrapped in an
+        exception group."""
+        assert self._connect is not None
+        outcome: httpx.Response | httpx.TransportError | None = None
+        try:
             async with AsyncExitStack() as stack:
                 try:
                     session = await stack.enter_async_context(self._connect())
                 except Exception as exc:
-                    raise httpx.ConnectError(
-                        f"no MCP session: {describe(exc)}", request=request
-                    ) from exc
+                    return _caused(
+                        httpx.ConnectError(f"no MCP session: {describe(exc)}", request=request),
+                        exc,
+                    )
                 outcome = await self._call(session, request)
-        if isinstance(outcome, Exception):
-            raise outcome
+        except Exception as exc:
+            if outcome is not None:
+                return outcome  # the session failed as it closed, after the call's outcome
+            lost = f"the MCP session broke: {describe(exc)}"
+            return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
+        assert outcome is not None
         return outcome
 
     async def _call(
