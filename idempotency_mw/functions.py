@@ -161,16 +161,23 @@ class IdempotentFunctions:
         fingerprint: Callable[..., str] | None = None,
         name: str | None = None,
     ) -> Callable[[Callable[P, Awaitable[R]] | Callable[P, R]], Callable[P, Awaitable[R]]]:
-        """A decorator: each call of the function runs once per ``key(*args, **kwargs)``,
-        fingerprinted by ``fingerprint(*args, **kwargs)`` (default: its arguments' canonical
-        JSON) and named ``name`` (default: its module and qualified name). The decorated
-        function is async, whether the function is async or sync."""
+        """A decorator: each call of the function runs once per ``key``, fingerprinted by
+        ``fingerprint`` (default: its arguments' canonical JSON) and named ``name`` (default:
+        its module and qualified name). ``key`` and ``fingerprint`` are called with the
+        call's arguments by name, as its signature binds them (defaults applied), however
+        they were passed. The decorated function is async, whether the function is async or
+        sync."""
 
         def decorate(fn: Callable[P, Awaitable[R]] | Callable[P, R]) -> Callable[P, Awaitable[R]]:
+            signature = inspect.signature(fn)
+
             @functools.wraps(fn)
             async def protected(*args: P.args, **kwargs: P.kwargs) -> R:
-                digest = None if fingerprint is None else fingerprint(*args, **kwargs)
-                return await self._run(key(*args, **kwargs), fn, args, kwargs, digest, name)
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                named = bound.arguments
+                digest = None if fingerprint is None else fingerprint(**named)
+                return await self._run(key(**named), fn, args, kwargs, digest, name)
 
             return protected
 

@@ -45,8 +45,10 @@ async def test_a_call_runs_once_and_a_repeat_gets_its_result(store: Store) -> No
         return {"order": order, "amount": amount, "run": len(runs)}
 
     first = await charge("o-1")
-    again = await charge(order="o-1", amount=10)  # the same call, however its arguments come
-    assert first == again == {"order": "o-1", "amount": 10, "run": 1}
+    # The same call, however its arguments come (key= gets them by name).
+    again = await charge(order="o-1", amount=10)
+    positional = await charge("o-1", 10)
+    assert first == again == positional == {"order": "o-1", "amount": 10, "run": 1}
     assert runs == ["o-1"]
     with pytest.raises(KeyReused, match="other arguments"):
         await charge("o-1", amount=99)
