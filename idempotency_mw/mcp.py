@@ -53,11 +53,7 @@ class ToolResultCodec:
 
     def encode(self, value: Any) -> bytes:
         assert isinstance(value, CallToolResult)
-        return json.dumps(
-            value.model_dump(mode="json", by_alias=True, exclude_none=True),
-            separators=(",", ":"),
-            ensure_ascii=False,
-        ).encode()
+        return value.model_dump_json(by_alias=True, exclude_none=True).encode()
 
     def decode(self, data: bytes) -> Any:
         result = CallToolResult.model_validate_json(data)
