@@ -144,7 +144,7 @@ class IdempotentTools(Extension):
             )
         except _NotARecord as not_a_record:
             return not_a_record.result
-        except IdempotencyError as exc:
+        except _REFUSED as exc:
             raise refusal(exc) from exc
         return cast(CallToolResult, result)
 
@@ -172,13 +172,15 @@ _PROBLEMS: list[tuple[type[IdempotencyError], Problem, int]] = [
 ]
 
 
+_REFUSED = tuple(kind for kind, _, _ in _PROBLEMS)
+
+
 def refusal(exc: IdempotencyError) -> MCPError:
     """The JSON-RPC error that tells the caller why its keyed call was not run: code
     :data:`IDEMPOTENCY_ERROR`, the problem (``type``, ``title``, ``status``, ``detail`` and,
     when a retry may help, ``retryAfter`` in seconds) as ``data``."""
     problem, status = next(
-        ((problem, status) for kind, problem, status in _PROBLEMS if isinstance(exc, kind)),
-        (Problem.STORE_UNAVAILABLE, 503),
+        (problem, status) for kind, problem, status in _PROBLEMS if isinstance(exc, kind)
     )
     # A store's message names the store; the caller is told only that it failed.
     detail = "the idempotency store failed" if isinstance(exc, StoreError) else str(exc)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from mcp.client.client import Client
 from mcp.client.stdio import StdioServerParameters
@@ -189,3 +191,61 @@ async def test_the_tool_caller_end_to_end(server: MCPServer, database: str, tmp_
         again = await session.call_tool("create_ticket", {"title": "t"}, meta=key(op.key))
     assert first.structured_content == again.structured_content == {"id": 1, "title": "t"}
     assert await count(database, "create_ticket") == 1
+
+
+def slow_server(runs: list[str]) -> MCPServer:
+    """A server whose protected tool takes 0.6 s; a duplicate does not wait for it."""
+    server = MCPServer("slow", extensions=[IdempotentTools(MemoryStore())])
+
+    @server.tool()
+    async def slow(title: str) -> str:
+        runs.append(title)
+        await anyio.sleep(0.6)
+        return f"done {title}"
+
+    return server
+
+
+async def test_a_duplicate_while_the_first_runs_is_told_to_retry_later() -> None:
+    runs: list[str] = []
+    server = slow_server(runs)
+    refused: list[MCPError] = []
+    async with Client(server) as client, anyio.create_task_group() as group:
+        group.start_soon(partial(client.call_tool, "slow", {"title": "t"}, meta=key("p")))
+        await anyio.sleep(0.2)
+        with pytest.raises(MCPError) as caught:
+            await client.call_tool("slow", {"title": "t"}, meta=key("p"))
+        refused.append(caught.value)
+    (error,) = refused
+    assert error.code == IDEMPOTENCY_ERROR
+    assert error.data["type"] == "urn:idempotency-mw:problem:in-progress"
+    assert error.data["retryAfter"] > 0
+    assert runs == ["t"]
+
+
+async def test_the_tool_caller_retries_a_call_in_progress_until_its_result(
+    tmp_path: Path,
+) -> None:
+    runs: list[str] = []
+    server = slow_server(runs)
+    policy = RetryPolicy(backoff_base=0.0, read_timeout=5, max_attempts=20, deadline=30)
+    async with (
+        Client(server) as other,
+        Client(server) as session,
+        IdempotentToolCaller(
+            session, journal=tmp_path / "journal.sqlite3", policy=policy, sleep=slept
+        ) as caller,
+        anyio.create_task_group() as group,
+    ):
+        op = await caller.operation("slow", ref="S-1")
+        # Another session runs the call under the operation's key: the caller finds it in
+        # progress, retries after the server's retryAfter, and gets its result.
+        group.start_soon(partial(other.call_tool, "slow", {"title": "t"}, meta=key(op.key)))
+        await anyio.sleep(0.2)
+        result = await caller.send(op, {"title": "t"})
+    assert text(result) == "done t"
+    assert runs == ["t"]
+
+
+async def slept(seconds: float) -> None:
+    await anyio.sleep(min(seconds, 0.1))
