@@ -417,22 +417,25 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m example_app.demo``."""
-    parser = _parser()
+    summary = asyncio.run(run_demo(parse_config(_parser(), argv), progress=sys.stderr))
+    print(format_summary(summary))
+    return 0 if summary.ok else 1
+
+
+def parse_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> DemoConfig:
+    """The demo's configuration, from the command line ``argv`` as ``parser`` reads it."""
     args = parser.parse_args(argv)
     try:
         rates = FaultRates(args.drop_request, args.drop_response, args.delay)
     except ValueError as exc:
         parser.error(str(exc))
-    config = DemoConfig(
+    return DemoConfig(
         operations=args.operations,
         rates=rates,
         seed=args.seed,
         timeout=args.timeout,
         concurrency=args.concurrency,
     )
-    summary = asyncio.run(run_demo(config, progress=sys.stderr))
-    print(format_summary(summary))
-    return 0 if summary.ok else 1
 
 
 if __name__ == "__main__":

@@ -21,6 +21,16 @@ from idempotency_mw.exceptions import (
     StoreError,
 )
 from idempotency_mw.fence import fence, fence_sync
+from idempotency_mw.functions import (
+    BytesCodec,
+    Codec,
+    CommittedWithoutResult,
+    IdempotentFunctions,
+    JSONCodec,
+    KeyReused,
+    ResultNotReplayable,
+    StillRunning,
+)
 from idempotency_mw.lifespan import store_lifespan
 from idempotency_mw.middleware import IdempotencyMiddleware, install
 from idempotency_mw.policy import RouteOptions, idempotent
@@ -32,18 +42,26 @@ if TYPE_CHECKING:
     from idempotency_mw.stores.sql import SQLStore
 
 __all__ = [
+    "BytesCodec",
     "Claim",
     "ClaimOutcome",
+    "Codec",
+    "CommittedWithoutResult",
     "ConfigurationError",
     "EffectCommitted",
     "IdempotencyError",
     "IdempotencyMiddleware",
+    "IdempotentFunctions",
+    "JSONCodec",
+    "KeyReused",
     "LeaseLost",
     "PurgeSchedule",
     "RedisStore",
+    "ResultNotReplayable",
     "RouteOptions",
     "SQLStore",
     "SchemaError",
+    "StillRunning",
     "Store",
     "StoreError",
     "StoredResponse",

@@ -24,6 +24,7 @@ from mcp_types import CONNECTION_CLOSED, INTERNAL_ERROR, REQUEST_TIMEOUT, CallTo
 
 from idempotency_mw.client._closing import AClosedOnExit
 from idempotency_mw.client.async_client import AsyncProbe, IdempotentClient
+from idempotency_mw.client.classify import PROBLEM_TYPE_PREFIX
 from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
 from idempotency_mw.client.protocol import ProtocolOptions
 from idempotency_mw.client.saga import AsyncStepClient
@@ -97,19 +98,35 @@ class ToolTransport(httpx.AsyncBaseTransport):
         if self._session is not None:
             outcome = await self._call(self._session, request)
         else:
-            assert self._connect is not None
-            # The outcome is raised once the session is closed: raised inside, it would come
-            # out of the session's task group wrapped in an exception group.
+            outcome = await self._call_in_own_session(request)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def _call_in_own_session(
+        self, request: httpx.Request
+    ) -> httpx.Response | httpx.TransportError:
+        """The call in a session opened for it. The outcome is raised once the session is
+        closed: raised inside, it would come out of the session's task group wrapped in an
+        exception group."""
+        assert self._connect is not None
+        outcome: httpx.Response | httpx.TransportError | None = None
+        try:
             async with AsyncExitStack() as stack:
                 try:
                     session = await stack.enter_async_context(self._connect())
                 except Exception as exc:
-                    raise httpx.ConnectError(
-                        f"no MCP session: {describe(exc)}", request=request
-                    ) from exc
+                    return _caused(
+                        httpx.ConnectError(f"no MCP session: {describe(exc)}", request=request),
+                        exc,
+                    )
                 outcome = await self._call(session, request)
-        if isinstance(outcome, Exception):
-            raise outcome
+        except Exception as exc:
+            if outcome is not None:
+                return outcome  # the session failed as it closed, after the call's outcome
+            lost = f"the MCP session broke: {describe(exc)}"
+            return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
+        assert outcome is not None
         return outcome
 
     async def _call(
@@ -132,6 +149,12 @@ class ToolTransport(httpx.AsyncBaseTransport):
                 return _caused(httpx.ReadTimeout(lost, request=request), exc)
             if exc.code == CONNECTION_CLOSED:
                 return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
+            problem = exc.error.data
+            if isinstance(problem, dict) and str(problem.get("type")).startswith(
+                PROBLEM_TYPE_PREFIX
+            ):
+                # The server's idempotency refusal: read as the middleware's problem answer.
+                return _problem_response(problem, request)
             status = 500 if exc.code == INTERNAL_ERROR else 400
             body = {"error": exc.error.model_dump(mode="json", exclude_none=True)}
             return httpx.Response(status, json=body, request=request)
@@ -140,6 +163,20 @@ class ToolTransport(httpx.AsyncBaseTransport):
             return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
         body = result.model_dump(mode="json", by_alias=True, exclude_none=True)
         return httpx.Response(422 if result.is_error else 200, json=body, request=request)
+
+
+def _problem_response(problem: dict[str, Any], request: httpx.Request) -> httpx.Response:
+    status = problem.get("status")
+    headers = {"content-type": "application/problem+json"}
+    retry_after = problem.get("retryAfter")
+    if isinstance(retry_after, int | float) and retry_after >= 0:
+        headers["retry-after-ms"] = str(int(retry_after * 1000))
+    return httpx.Response(
+        status if isinstance(status, int) and 400 <= status < 600 else 409,
+        content=json.dumps(problem).encode(),
+        headers=headers,
+        request=request,
+    )
 
 
 def _caused(error: httpx.TransportError, cause: BaseException) -> httpx.TransportError:

@@ -1,0 +1,303 @@
+"""Idempotent functions: code that is not an HTTP request (a tool body, a queue consumer, a
+scheduled job) run once per key on the claim engine the middleware uses.
+
+A call's key is claimed with a fingerprint of its arguments; the first call runs and its return
+value is recorded with a codec; a repeat with the same arguments gets that value back, other
+arguments under the key are refused. Leases, takeover after a crash and ``fence()`` are the
+engine's, exactly as for a request.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any, ParamSpec, Protocol, TypeVar, cast
+
+import anyio.to_thread
+
+from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, LeaseUnproven
+from idempotency_mw.exceptions import ConfigurationError, IdempotencyError, LeaseLost
+from idempotency_mw.fence import current_claim
+from idempotency_mw.lease import Clock
+from idempotency_mw.metrics import EventHook, EventKind, guard
+from idempotency_mw.options import LeaseLostAction
+from idempotency_mw.policy import Duration, to_seconds
+from idempotency_mw.records import ClaimOutcome, StoredResponse
+from idempotency_mw.stores.base import Store
+
+logger = logging.getLogger("idempotency_mw")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: The status a function's result is recorded under (a store keeps responses).
+_RESULT_STATUS = 200
+
+
+class Codec(Protocol):
+    """How return values are stored: ``encode`` to bytes, ``decode`` back."""
+
+    def encode(self, value: Any) -> bytes: ...
+
+    def decode(self, data: bytes) -> Any: ...
+
+
+class JSONCodec:
+    """Return values as JSON (the default): what ``json.dumps`` takes, back as ``json.loads``
+    gives it (a tuple comes back a list)."""
+
+    def encode(self, value: Any) -> bytes:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def decode(self, data: bytes) -> Any:
+        return json.loads(data)
+
+
+class BytesCodec:
+    """Return values that are bytes, stored as they are."""
+
+    def encode(self, value: Any) -> bytes:
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise TypeError(f"BytesCodec stores bytes, not {type(value).__name__}")
+        return bytes(value)
+
+    def decode(self, data: bytes) -> Any:
+        return data
+
+
+class KeyReused(IdempotencyError):
+    """The key was used with other arguments: its result is another call's. Use a new key."""
+
+
+class StillRunning(IdempotencyError):
+    """A call with this key is still running (past ``wait``): retry after ``retry_after`` s."""
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ResultNotReplayable(IdempotencyError):
+    """The call with this key ran, but its result could not be recorded (too large, or the
+    store failed to take it): do not run it again."""
+
+
+class CommittedWithoutResult(IdempotencyError):
+    """The call with this key committed its effect (``fence``) and then failed: there is no
+    result to give, and it must not run again."""
+
+
+def arguments_fingerprint(fn: Callable[..., Any], args: Any, kwargs: Any) -> str:
+    """The canonical JSON of ``fn``'s arguments as bound by its signature (defaults
+    applied), hashed: the same call however its arguments were passed."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    try:
+        text = json.dumps(
+            bound.arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"the arguments of {fn.__qualname__} are not JSON ({exc}): pass fingerprint= "
+            "(a callable of the same arguments that returns a string)"
+        ) from exc
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class IdempotentFunctions:
+    """Runs functions once per key on ``store``.
+
+    ``ttl`` is how long a result is kept, ``lease`` how long a running call holds its key
+    without renewal (renewed while it runs; a crashed worker's key is taken over once it
+    lapses), ``wait`` how long a repeat waits for a running call before :class:`StillRunning`.
+    ``scope`` is the namespace of the keys (never shared with HTTP requests' records unless
+    you say so); ``codec`` stores the return values, at most ``max_result_bytes`` each.
+    ``on_event``, ``on_lease_lost`` and ``clock`` are the middleware's.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        ttl: Duration = timedelta(hours=24),
+        lease: Duration = timedelta(seconds=60),
+        wait: Duration = 0,
+        scope: str = "functions",
+        codec: Codec | None = None,
+        max_result_bytes: int = 1 << 20,
+        on_event: EventHook | None = None,
+        on_lease_lost: LeaseLostAction = "cancel",
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if not scope:
+            raise ConfigurationError("scope must be a non-empty string")
+        if max_result_bytes < 0:
+            raise ConfigurationError("max_result_bytes must not be negative")
+        if on_lease_lost not in ("cancel", "continue"):
+            raise ConfigurationError("on_lease_lost must be 'cancel' or 'continue'")
+        self.ttl = to_seconds(ttl, "ttl")
+        self.lease = to_seconds(lease, "lease")
+        self.wait = to_seconds(wait, "wait", zero=True)
+        self.scope = scope
+        self.codec: Codec = codec or JSONCodec()
+        self.max_result_bytes = max_result_bytes
+        self.engine = ClaimEngine(
+            store,
+            on_event=None if on_event is None else guard(on_event),
+            on_lease_lost=on_lease_lost,
+            clock=clock,
+        )
+
+    def __call__(
+        self,
+        *,
+        key: Callable[..., str],
+        fingerprint: Callable[..., str] | None = None,
+        name: str | None = None,
+    ) -> Callable[[Callable[P, Awaitable[R]] | Callable[P, R]], Callable[P, Awaitable[R]]]:
+        """A decorator: each call of the function runs once per ``key``, fingerprinted by
+        ``fingerprint`` (default: its arguments' canonical JSON) and named ``name`` (default:
+        its module and qualified name). ``key`` and ``fingerprint`` are called with the
+        call's arguments by name, as its signature binds them (defaults applied), however
+        they were passed. The decorated function is async, whether the function is async or
+        sync."""
+
+        def decorate(fn: Callable[P, Awaitable[R]] | Callable[P, R]) -> Callable[P, Awaitable[R]]:
+            signature = inspect.signature(fn)
+
+            @functools.wraps(fn)
+            async def protected(*args: P.args, **kwargs: P.kwargs) -> R:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                named = bound.arguments
+                digest = None if fingerprint is None else fingerprint(**named)
+                return await self._run(key(**named), fn, args, kwargs, digest, name)
+
+            return protected
+
+        return decorate
+
+    async def run(
+        self,
+        key: str,
+        fn: Callable[..., Awaitable[R]] | Callable[..., R],
+        *args: Any,
+        **kwargs: Any,
+    ) -> R:
+        """``fn(*args, **kwargs)`` once per ``key``: its result, or the first call's.
+
+        Raises :class:`KeyReused`, :class:`StillRunning`, :class:`ResultNotReplayable`,
+        :class:`CommittedWithoutResult`, :class:`~idempotency_mw.LeaseLost` (the store could
+        not confirm the key was held: the call was stopped, or nothing ran), and
+        :class:`~idempotency_mw.StoreError`; what ``fn`` raises is raised (the key released,
+        unless ``fence()`` committed its effect).
+        """
+        return await self._run(key, fn, args, kwargs, None, None)
+
+    async def _run(
+        self,
+        key: str,
+        fn: Callable[..., Awaitable[R]] | Callable[..., R],
+        args: Any,
+        kwargs: Any,
+        fingerprint: str | None,
+        name: str | None,
+    ) -> R:
+        name = name or f"{fn.__module__}.{fn.__qualname__}"
+        digest = fingerprint or arguments_fingerprint(fn, args, kwargs)
+        body = functools.partial(fn, *args, **kwargs)
+        work: Callable[[], Awaitable[Any]]
+        if inspect.iscoroutinefunction(fn):
+            work = cast(Callable[[], Awaitable[Any]], body)
+        else:
+            # A sync function runs in a worker thread; its store calls stay on the loop.
+            work = functools.partial(anyio.to_thread.run_sync, body)
+        meant = hashlib.sha256(f"{name}\0{digest}".encode()).hexdigest()
+        return cast(R, await self.call(key, meant, work, name=name))
+
+    async def call(
+        self, key: str, fingerprint: str, work: Callable[[], Awaitable[Any]], *, name: str
+    ) -> Any:
+        """Run ``work()`` once per ``key`` under ``fingerprint`` (what the call means) and
+        return its result, or the recorded one decoded (``name`` names it in events)."""
+        request = ClaimRequest(
+            self.scope, key, fingerprint, ttl=self.ttl, lease=self.lease, wait=self.wait
+        )
+        call = self.engine.call(request, method="CALL", route=name)
+        async with self.engine.hold(answered=lambda: False) as hold:
+            try:
+                claim = await hold.claim(call)
+            except LeaseUnproven:
+                raise LeaseLost(
+                    "the store could not confirm this call holds its key: nothing ran; retry "
+                    "with the same key"
+                ) from None
+            if claim.outcome is ClaimOutcome.REPLAY:
+                assert claim.response is not None
+                return self.codec.decode(claim.response.body)
+            if claim.outcome is not ClaimOutcome.ACQUIRED:
+                raise self._refusal(claim.outcome)
+            assert hold.claim_held is not None
+            token = hold.claim_held.token
+            reset = current_claim.set(hold.claim_held)
+            try:
+                result = await work()
+            except BaseException:
+                if not hold.stopped:  # a stopped call's key is left to lapse
+                    with anyio.CancelScope(shield=True):
+                        await call.release(token)
+                raise
+            finally:
+                current_claim.reset(reset)
+            with anyio.CancelScope(shield=True):
+                await call.complete(token, self._stored(result, call))
+            return result
+        # The lease could not be proven any more, and the work was stopped.
+        raise LeaseLost(
+            "the call was stopped because the store could not confirm it still held its key; "
+            "retry with the same key"
+        )
+
+    def _stored(self, result: Any, call: Call) -> StoredResponse | None:
+        """The result as recorded, or ``None``: it ran, but a repeat cannot be given it."""
+        try:
+            data = self.codec.encode(result)
+        except Exception:
+            logger.exception("the result of key %s cannot be encoded for replay", call.key_id)
+            return None
+        if len(data) > self.max_result_bytes:
+            call.emit(EventKind.RECORD_TOO_LARGE)
+            logger.warning(
+                "the result of key %s cannot be replayed: %d bytes, over max_result_bytes",
+                call.key_id,
+                len(data),
+            )
+            return None
+        return StoredResponse(_RESULT_STATUS, (), data)
+
+    def _refusal(self, outcome: ClaimOutcome) -> IdempotencyError:
+        if outcome is ClaimOutcome.IN_PROGRESS:
+            return StillRunning(
+                "a call with this key is still running; retry later",
+                retry_after=min(self.lease, max(self.wait, 1.0)),
+            )
+        if outcome is ClaimOutcome.MISMATCH:
+            return KeyReused("this key was used with other arguments; use a new key for a new call")
+        if outcome is ClaimOutcome.COMMITTED_WITHOUT_RESPONSE:
+            return CommittedWithoutResult(
+                "the call with this key committed its effect, but has no result; do not run "
+                "it again"
+            )
+        return ResultNotReplayable(
+            "the call with this key ran, but its result could not be recorded for replay"
+        )
+
+    async def aclose(self) -> None:
+        """Wait for store calls still running for ended calls; the store stays open."""
+        await self.engine.aclose()
