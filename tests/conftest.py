@@ -211,8 +211,6 @@ STORE_PATHS = [
     "redis-sentinel-client",
     "memory",
 ]
-#: One path per backend: for tests of the middleware, which need no more.
-STORES = [f"{database}-url" for database in DATABASES] + ["redis-url", "memory"]
 
 
 @asynccontextmanager
@@ -284,11 +282,14 @@ async def _redis_store(how: str, request: pytest.FixtureRequest) -> AsyncIterato
         await given.aclose()
 
 
-@pytest.fixture(params=STORES)
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    """An empty store of each backend, made from a URL (the contract suite covers the rest)."""
-    async with built_store(request.param, request) as made:
-        yield made
+@pytest.fixture
+def store(fake_time: FakeTime) -> MemoryStore:
+    """An empty MemoryStore on the test's fake clock, for tests of the middleware's behaviour.
+
+    The contract suite (``tests/test_store_contract.py``) proves that every store agrees with
+    it; leases and TTLs move when the test moves ``fake_time.now``, so they need no sleeps.
+    """
+    return MemoryStore(clock=fake_time.clock)
 
 
 #: The stores that keep records outside the process (what the operator's CLI can open).
