@@ -13,6 +13,8 @@ import anyio
 import httpx
 import pytest
 from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
+from starlette.types import Message
 
 from idempotency_mw import ConfigurationError, IdempotencyMiddleware, SchemaError, SQLStore, Store
 from idempotency_mw._asgi import parse_key
@@ -94,13 +96,16 @@ async def test_optional_route_without_key_runs_every_time(store: Store) -> None:
 
 async def test_websocket_passes_through(store: Store) -> None:
     app = make_app(store)
-    incoming = [{"type": "websocket.connect"}, {"type": "websocket.disconnect", "code": 1000}]
-    sent: list[dict[str, Any]] = []
+    incoming: list[Message] = [
+        {"type": "websocket.connect"},
+        {"type": "websocket.disconnect", "code": 1000},
+    ]
+    sent: list[Message] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return incoming.pop(0)
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
     scope = {
@@ -154,7 +159,7 @@ async def test_lifespan_passes_through_to_the_app(store: Store) -> None:
 async def test_invalid_keys_are_400_problems(store: Store, raw: str) -> None:
     app = make_app(store)
     async with client_for(app) as client:
-        headers = [("Idempotency-Key", raw.encode("latin-1", "replace"))]
+        headers = [(b"Idempotency-Key", raw.encode("latin-1", "replace"))]
         response = await client.post("/tickets", json={}, headers=headers)
     assert response.status_code == 400
     assert problem_type(response).endswith("invalid-key")
@@ -569,8 +574,9 @@ def test_a_store_without_binding_is_a_configuration_error(tmp_path: Any) -> None
         ) -> Any:
             return await super().claim(scope, key, fingerprint, ttl=ttl, lease=lease)
 
+    old = OldStore(f"sqlite:///{tmp_path / 'x.db'}")
     with pytest.raises(ConfigurationError, match="binding="):
-        IdempotencyMiddleware(make_app, store=OldStore(f"sqlite:///{tmp_path / 'x.db'}"))
+        IdempotencyMiddleware(FastAPI(), store=old)  # type: ignore[arg-type]  # the point
 
 
 def test_invalid_options_are_configuration_errors(tmp_path: Any) -> None:
@@ -592,19 +598,19 @@ def test_invalid_options_are_configuration_errors(tmp_path: Any) -> None:
 
 async def test_a_retry_sent_as_the_answer_arrives_is_replayed(store: Store) -> None:
     app = make_app(store)
-    request = {"type": "http.request", "body": b"{}", "more_body": False}
+    request: Message = {"type": "http.request", "body": b"{}", "more_body": False}
     scope = http_scope(
         "/tickets", [(b"content-type", b"application/json"), (b"idempotency-key", b"k")]
     )
-    retry: list[dict[str, Any]] = []
+    retry: list[Message] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return request
 
-    async def record_retry(message: dict[str, Any]) -> None:
+    async def record_retry(message: Message) -> None:
         retry.append(message)
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         # The client retries the moment the end of the answer reaches it.
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             await app(dict(scope), receive, record_retry)
