@@ -200,7 +200,7 @@ def build_app(
         closers.append(client.aclose)
         # README snippet 1: app.add_middleware(IdempotencyHeaderMiddleware(backend=backend)).
         try:
-            IdempotencyHeaderMiddleware(backend=aih_backend)  # type: ignore[call-arg]
+            IdempotencyHeaderMiddleware(backend=aih_backend)
         except TypeError as exc:
             notes.append(
                 f"README snippet `app.add_middleware(IdempotencyHeaderMiddleware("
@@ -211,9 +211,7 @@ def build_app(
             delay,
             count_file,
             closers,
-            middleware=[
-                Middleware(IdempotencyHeaderMiddleware, backend=aih_backend)  # type: ignore[arg-type]
-            ],
+            middleware=[Middleware(IdempotencyHeaderMiddleware, backend=aih_backend)],
         )
         return Built(app, notes)
 

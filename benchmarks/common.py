@@ -33,9 +33,9 @@ try:
     from idempotency_mw.stores.sql import async_url
     from idempotency_mw.stores.sql.schema import metadata
 except ImportError:  # the layout before 0.2 (stores/sql.py): benchmarks/compare.py runs it too
-    from idempotency_mw.stores.schema import metadata  # type: ignore[no-redef]
+    from idempotency_mw.stores.schema import metadata  # type: ignore[no-redef, import-not-found]
 
-    from idempotency_mw.stores.sql import async_url  # type: ignore[no-redef]
+    from idempotency_mw.stores.sql import async_url
 
 Message = dict[str, Any]
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Message]], Any], Awaitable[None]]
@@ -468,7 +468,7 @@ def set_nodelay_on_every_tcp_connection() -> None:
     uvicorn binds the listening socket of its workers as ``socket.socket(AF_INET)``, whose
     ``proto`` is 0, and asyncio sets TCP_NODELAY only on sockets whose ``proto`` is
     IPPROTO_TCP. With Nagle on, the body of each response on a kept-alive connection waits
-    for the ACK of its headers, which the client delays: about 40 ms per request. Called in
+    for the ACK of its headers, which the client delays by its delayed-ACK timeout. Called in
     each worker before uvicorn starts serving.
     """
     import asyncio.base_events

@@ -1,10 +1,9 @@
 """Load on the example ticket service under 4 uvicorn workers, then a check of every ticket.
 
 The service (``example_app``, tickets in PostgreSQL) runs under ``uvicorn --workers 4`` in a
-child process, its idempotency records first in PostgreSQL (``SQLStore``), then in Redis
-(``RedisStore``; the example app is given it by :func:`create_service`, the app factory
-uvicorn loads, without changing ``example_app``). This process drives it over 127.0.0.1 with
-an httpx client: a fixed number of requests, a mix of
+child process, its idempotency records in the same database (``SQLStore``: the example fences
+each ticket's commit with its record). This process drives it over 127.0.0.1 with an httpx
+client: a fixed number of requests, a mix of
 
 - ``first``: a new operation (new key, new ``client_ref``), expected 201;
 - ``replay``: an earlier operation sent again (same key, same body), expected its 201 again;
@@ -17,12 +16,11 @@ one ticket (its ``client_ref``), a mismatched body none, and there must be no ot
 prints requests/s, p50/p99 latency and the count of each outcome, and exits non-zero when the
 check fails.
 
-    python -m benchmarks.load [--full] [--requests N] [--concurrency C] [--stores sql,redis]
+    python -m benchmarks.load [--full] [--requests N] [--concurrency C]
 
 Isolation: database ``idem_reliability`` (``--database-url``; not ``idempotency_bench``, whose
 idempotency table the other benchmarks truncate while they run; the example tables and the
-idempotency records in it are dropped and re-created), Redis db 14 under the prefix
-``idem-load:`` (only those keys are deleted). Only 127.0.0.1 is used. The machine's load
+idempotency records in it are dropped and re-created). Only 127.0.0.1 is used. The machine's load
 average is printed with the figures: other processes on it skew them.
 """
 
@@ -55,8 +53,6 @@ HOST = "127.0.0.1"
 DATABASE_URL = os.environ.get(
     "LOAD_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/idem_reliability"
 )
-REDIS_URL = os.environ.get("LOAD_REDIS_URL", "redis://127.0.0.1:6379/14")
-REDIS_PREFIX = "idem-load:"
 BURST = 20
 MIX = {"first": 0.55, "replay": 0.25, "burst": 0.10, "mismatch": 0.10}  # of operations
 TABLES = ("example_emails", "example_tickets", "idempotency_records")
@@ -66,25 +62,14 @@ TABLES = ("example_emails", "example_tickets", "idempotency_records")
 
 
 def create_service() -> Any:
-    """The example service; with ``LOAD_STORE=redis`` its records go to Redis instead.
-
-    The uvicorn factory of the load test (``benchmarks.load:create_service``): the example
-    app is built as it ships, then its middleware is given a RedisStore before the middleware
-    stack is first built.
-    """
+    """The example service as it ships: the uvicorn factory of the load test
+    (``benchmarks.load:create_service``), with Nagle's algorithm off on its connections."""
     from benchmarks.common import set_nodelay_on_every_tcp_connection
     from example_app.app import create_app
-    from idempotency_mw import IdempotencyMiddleware, RedisStore
 
     if os.environ.get("LOAD_NODELAY") == "1":
         set_nodelay_on_every_tcp_connection()
-    app = create_app(os.environ["LOAD_DATABASE_URL"])
-    if os.environ.get("LOAD_STORE") == "redis":
-        (middleware,) = [m for m in app.user_middleware if m.cls is IdempotencyMiddleware]
-        middleware.kwargs["store"] = RedisStore(
-            os.environ["LOAD_REDIS_URL"], prefix=os.environ.get("LOAD_REDIS_PREFIX", "idem:")
-        )
-    return app
+    return create_app(os.environ["LOAD_DATABASE_URL"])
 
 
 def check_loopback(url: str) -> str:
@@ -94,8 +79,6 @@ def check_loopback(url: str) -> str:
     name = parts.path.strip("/")
     if parts.scheme.startswith("postgresql") and name in ("", "test"):
         raise SystemExit("refusing the 'test' database: other engineers' tests wipe it")
-    if parts.scheme.startswith("redis") and name in ("", "0"):
-        raise SystemExit("refusing Redis db 0: the tests use it")
     return url
 
 
@@ -125,24 +108,12 @@ async def prepare_database(url: str) -> None:
     await engine.dispose()
 
 
-async def wipe_redis(url: str, prefix: str) -> None:
-    import redis.asyncio
-
-    client = redis.asyncio.Redis.from_url(url)
-    try:
-        keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=1000)]
-        for start in range(0, len(keys), 1000):
-            await client.delete(*keys[start : start + 1000])
-    finally:
-        await client.aclose()
-
-
 class Service:
     """``uvicorn --workers N`` in a child process, on a free port of 127.0.0.1.
 
     Not ``--fd``: uvicorn wraps an inherited socket as AF_UNIX, so asyncio leaves TCP_NODELAY
-    off on its connections, and Nagle's algorithm against the client's delayed ACKs adds
-    ~40 ms to every response.
+    off on its connections, and Nagle's algorithm against the client's delayed ACKs holds
+    every response for the delayed-ACK timeout.
     """
 
     def __init__(self, env: dict[str, str], workers: int) -> None:
@@ -381,7 +352,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-def report(store: str, results: Sequence[Sent], elapsed: float, problems: list[str]) -> dict:
+def report(
+    store: str, results: Sequence[Sent], elapsed: float, problems: list[str]
+) -> dict[str, Any]:
     latencies = [s.seconds * 1000 for s in results]
     outcomes = Counter(f"{s.kind}: {s.outcome}" for s in results)
     figures = {
@@ -413,13 +386,10 @@ def report(store: str, results: Sequence[Sent], elapsed: float, problems: list[s
     return figures
 
 
-async def run_store(store: str, args: argparse.Namespace) -> tuple[dict, list[str]]:
+async def run_store(store: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     await prepare_database(args.database_url)
-    env = {"LOAD_DATABASE_URL": args.database_url, "LOAD_STORE": store}
+    env = {"LOAD_DATABASE_URL": args.database_url}
     env["LOAD_NODELAY"] = "0" if args.keep_nagle else "1"
-    if store == "redis":
-        await wipe_redis(args.redis_url, REDIS_PREFIX)
-        env |= {"LOAD_REDIS_URL": args.redis_url, "LOAD_REDIS_PREFIX": REDIS_PREFIX}
     plan = make_plan(args.requests, args.seed)
     service = Service(env, args.workers)
     try:
@@ -428,8 +398,6 @@ async def run_store(store: str, args: argparse.Namespace) -> tuple[dict, list[st
     finally:
         service.stop()
     problems = verify(results, await tickets_by_ref(args.database_url))
-    if store == "redis":
-        await wipe_redis(args.redis_url, REDIS_PREFIX)
     return report(store, results, elapsed, problems), problems
 
 
@@ -439,32 +407,25 @@ async def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, help="number of requests (overrides --full)")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     parser.add_argument("--workers", type=int, default=4, help="uvicorn worker processes")
-    parser.add_argument("--stores", default="sql,redis", help="sql, redis or both")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--database-url", default=DATABASE_URL)
-    parser.add_argument("--redis-url", default=REDIS_URL)
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument(
         "--keep-nagle",
         action="store_true",
-        help="leave uvicorn's workers as they are: ~40 ms more per request (see create_service)",
+        help="leave uvicorn's workers as they are: Nagle's delay on every response (see Service)",
     )
     args = parser.parse_args(argv)
     args.requests = args.requests or (20_000 if args.full else 2_000)
     check_loopback(args.database_url)
-    check_loopback(args.redis_url)
     print(
-        f"{args.requests} requests per store, {args.concurrency} in flight, "
+        f"{args.requests} requests, {args.concurrency} in flight, "
         f"{args.workers} uvicorn workers, mix {MIX} (bursts of {BURST})"
     )
-    all_figures, failed = [], False
-    for store in args.stores.split(","):
-        figures, problems = await run_store(store.strip(), args)
-        all_figures.append(figures)
-        failed |= bool(problems)
+    figures, problems = await run_store("sql", args)
     if args.json:
-        await asyncio.to_thread(Path(args.json).write_text, json.dumps(all_figures, indent=2))
-    return 1 if failed else 0
+        await asyncio.to_thread(Path(args.json).write_text, json.dumps([figures], indent=2))
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

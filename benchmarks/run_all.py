@@ -1,6 +1,6 @@
 """Every benchmark at a reduced size, one after the other; writes ``benchmarks/RESULTS.md``.
 
-    python -m benchmarks.run_all [--skip network,profiling] [--output benchmarks/RESULTS.md]
+    python -m benchmarks.run_all [--skip network,scale] [--output benchmarks/RESULTS.md]
 
 and the summary tables of the docs' results page (``--docs``, docs/performance/results.md).
 
@@ -64,10 +64,6 @@ STEPS: dict[str, tuple[str, list[str]]] = {
     "network": (
         "Under uvicorn, loaded by wrk (16 connections, 1 thread)",
         ["--requests", "10000", "--connections", "16", "--workers", "1,2"],
-    ),
-    "profiling": (
-        "Profile: where the time goes",
-        ["-n", "200", "--profile-n", "200", "--py-spy", "--profile-dir", "benchmarks/profiles"],
     ),
 }
 
@@ -156,7 +152,7 @@ def results_summary(
     bare_us = [run["bare"]["p50"] for run in inprocess if run.get("bare")]
     lines = [
         f"Measured on {info['date']} by `python -m benchmarks.run_all` ({seconds:.0f} s; every "
-        "table, with correctness bursts, scale and profiles, is in "
+        "table, with correctness bursts and scale, is in "
         "`benchmarks/RESULTS.md` of the repository), at commit "
         f"{info['git']}, on {info['nproc']} cores of an {info['cpu']} with Python "
         f"{info['python']}, starlette {info['starlette']}, fastapi {info['fastapi']}, "

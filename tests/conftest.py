@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -61,7 +61,10 @@ DATABASES = ["sqlite", *SERVER_DATABASES]
 
 
 def require_server(url: str) -> None:
-    """Skip (or, in CI, fail) when the server behind ``url`` does not accept connections."""
+    """Skip (or, in CI, fail) when the server behind ``url`` does not accept connections, or
+    when the run could not make its database there (a URL naming a database the server lacks)."""
+    if url in RUN_DATABASE_PROBLEMS:
+        _missing(RUN_DATABASE_PROBLEMS[url])
     parsed = async_url(url) if not url.startswith("redis") else None
     host = parsed.host if parsed else "127.0.0.1"
     port = parsed.port if parsed else int(url.rsplit(":", 1)[1].split("/")[0])
@@ -77,8 +80,17 @@ def _missing(message: str) -> NoReturn:
     pytest.skip(message)
 
 
+#: Why the run has no database of its own on a server, by the run database's URL.
+RUN_DATABASE_PROBLEMS: dict[str, str] = {}
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    create_run_databases(SERVER_URLS.values(), RUN_ID)
+    RUN_DATABASE_PROBLEMS.update(create_run_databases(SERVER_URLS.values(), RUN_ID))
+    if RUN_DATABASE_PROBLEMS and REQUIRE_SERVERS:
+        # CI fails the run at once, with the reason, rather than every test at its setup.
+        drop_run_databases(SERVER_URLS.values(), RUN_ID)
+        reasons = "; ".join(RUN_DATABASE_PROBLEMS.values())
+        pytest.exit(f"{reasons} (IDEMPOTENCY_REQUIRE_SERVERS=1)", returncode=1)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -211,8 +223,6 @@ STORE_PATHS = [
     "redis-sentinel-client",
     "memory",
 ]
-#: One path per backend: for tests of the middleware, which need no more.
-STORES = [f"{database}-url" for database in DATABASES] + ["redis-url", "memory"]
 
 
 @asynccontextmanager
@@ -249,7 +259,7 @@ async def _redis_store(how: str, request: pytest.FixtureRequest) -> AsyncIterato
     prefix = f"test-idem-{uuid.uuid4().hex}:"
     if how == "sentinel-client":
         sentinel: RedisSentinel = request.getfixturevalue("redis_sentinel")
-        watcher = redis.asyncio.Sentinel([sentinel.sentinel_address])
+        watcher = redis.asyncio.Sentinel([sentinel.sentinel_address])  # type: ignore[no-untyped-call]
         master = watcher.master_for(sentinel.name)
         yield RedisStore(client=master, prefix=prefix)
         await master.aclose()
@@ -264,9 +274,9 @@ async def _redis_store(how: str, request: pytest.FixtureRequest) -> AsyncIterato
             yield made
             await made.aclose()
             return
-        client = redis.asyncio.RedisCluster.from_url(cluster.url)
-        yield RedisStore(client=client, prefix=prefix)
-        await client.aclose()
+        cluster_client = redis.asyncio.RedisCluster.from_url(cluster.url)
+        yield RedisStore(client=cluster_client, prefix=prefix)
+        await cluster_client.aclose()
         return
     require_server(REDIS_URL)
     given = redis.asyncio.Redis.from_url(REDIS_URL) if how == "client" else None
@@ -284,11 +294,14 @@ async def _redis_store(how: str, request: pytest.FixtureRequest) -> AsyncIterato
         await given.aclose()
 
 
-@pytest.fixture(params=STORES)
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    """An empty store of each backend, made from a URL (the contract suite covers the rest)."""
-    async with built_store(request.param, request) as made:
-        yield made
+@pytest.fixture
+def store(fake_time: FakeTime) -> MemoryStore:
+    """An empty MemoryStore on the test's fake clock, for tests of the middleware's behaviour.
+
+    The contract suite (``tests/test_store_contract.py``) proves that every store agrees with
+    it; leases and TTLs move when the test moves ``fake_time.now``, so they need no sleeps.
+    """
+    return MemoryStore(clock=fake_time.clock)
 
 
 #: The stores that keep records outside the process (what the operator's CLI can open).
@@ -298,12 +311,12 @@ PERSISTENT_STORES = [*DATABASES, "redis"]
 # ---------------------------------------------------------------- store servers of the test's own
 
 
-def _new_server(server_class: type[S]) -> S:
+def _new_server(server_class: Callable[[], S]) -> S:
     """A server of ``server_class``, not started; skips (or, in CI, fails) without its programs."""
     try:
         return server_class()
     except FileNotFoundError as exc:
-        _missing(f"no {server_class.__name__}: {exc}")
+        _missing(f"no {getattr(server_class, '__name__', 'server')}: {exc}")
 
 
 @pytest.fixture(scope="session")

@@ -337,7 +337,8 @@ async def serve(app: Any, *, graceful: float = 5.0) -> AsyncIterator[str]:
         log_config=None,
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=graceful,
+        # Annotated int, but uvicorn passes it to asyncio.wait_for: fractions work.
+        timeout_graceful_shutdown=graceful,  # type: ignore[arg-type]
     )
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))

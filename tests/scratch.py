@@ -60,12 +60,24 @@ def _drop_statement(url: str, name: str) -> str:
     return drop
 
 
-def create_run_databases(urls: Iterable[str], run_id: str) -> None:
-    """Make the run's own database on each server that answers (a missing one skips later)."""
+def create_run_databases(urls: Iterable[str], run_id: str) -> dict[str, str]:
+    """Make the run's own database on each server; what could not be made, by its run URL.
+
+    A server that does not answer, or whose URL names a database it lacks, is reported here and
+    its tests skip (or, in CI, fail) with the message, rather than error on their first query.
+    """
     name = f"idem_run_{run_id}"
+    problems: dict[str, str] = {}
     for url in urls:
-        with suppress(Exception):
+        try:
             run_on_server(url, _drop_statement(url, name), f"CREATE DATABASE {name}")
+        except Exception as exc:  # any driver's error: the message says what it was
+            shown = make_url(url).render_as_string(hide_password=True)
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            problems[run_database_url(url, run_id)] = (
+                f"could not make the run's database on {shown}: {first_line}"
+            )
+    return problems
 
 
 def drop_run_databases(urls: Iterable[str], run_id: str) -> None:

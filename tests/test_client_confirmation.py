@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import anyio.to_thread
 import httpx
@@ -126,7 +127,7 @@ async def test_past_retention_a_probe_that_finds_the_effect_confirms_it(
     server: Server, journal_path: Path, fake_time: FakeTime
 ) -> None:
     op = await left_unknown(server, journal_path, fake_time)
-    transport, calls = Faulty(server.app), []
+    transport, calls = Faulty(server.app), list[str]()
     client = make_client(
         transport, journal_path, fake_time, confirm={"create-ticket": finder(calls)}
     )
@@ -152,7 +153,7 @@ async def test_past_retention_a_probe_that_finds_nothing_lets_it_be_sent_with_it
     server: Server, journal_path: Path, fake_time: FakeTime
 ) -> None:
     op = await left_unknown(server, journal_path, fake_time, fault="vanish")
-    transport, calls = Faulty(server.app), []
+    transport, calls = Faulty(server.app), list[str]()
     client = make_client(
         transport, journal_path, fake_time, confirm={"create-ticket": finder(calls)}
     )
@@ -201,7 +202,7 @@ async def test_a_probe_that_keeps_failing_leaves_the_operation_unknown(
 async def test_keyless_a_lost_attempt_is_looked_up_not_sent_again(
     server: Server, journal_path: Path, fake_time: FakeTime
 ) -> None:
-    transport, calls = Faulty(server.app, ["lose"]), []
+    transport, calls = Faulty(server.app, ["lose"]), list[str]()
     client = make_client(
         transport, journal_path, fake_time, confirm={"create-ticket": finder(calls)}
     )
@@ -243,7 +244,7 @@ async def test_keyless_without_a_probe_a_lost_attempt_needs_confirmation(
 async def test_keyless_an_attempt_that_never_left_is_retried_without_asking(
     server: Server, journal_path: Path, fake_time: FakeTime
 ) -> None:
-    transport, calls = Faulty(server.app, ["drop"]), []
+    transport, calls = Faulty(server.app, ["drop"]), list[str]()
     client = make_client(
         transport, journal_path, fake_time, keyless=True, confirm={"create-ticket": finder(calls)}
     )
@@ -405,7 +406,10 @@ async def echo_url() -> AsyncIterator[str]:
 async def test_headers_and_auth_reach_the_httpx_client_each_client_makes(
     echo_url: str, tmp_path: Path
 ) -> None:
-    options = {"headers": {"X-Caller": "alice"}, "auth": httpx.BasicAuth("alice", "s3cret")}
+    options: dict[str, Any] = {
+        "headers": {"X-Caller": "alice"},
+        "auth": httpx.BasicAuth("alice", "s3cret"),
+    }
     expected = "Basic " + base64.b64encode(b"alice:s3cret").decode()
     async with IdempotentClient(base_url=echo_url, journal=tmp_path / "a", **options) as client:
         op = await client.operation("echo")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -14,14 +13,15 @@ import pytest
 from fastapi import FastAPI
 
 from idempotency_mw import IdempotencyMiddleware
+from idempotency_mw.testing import MemoryStore
 from tests.apps import PausableStore, client_for
-from tests.conftest import fresh_sql_store
 
 pytestmark = pytest.mark.anyio
 
 
-async def stalled_service(tmp_path: Path, **options: Any) -> tuple[FastAPI, PausableStore]:
-    store = PausableStore(await fresh_sql_store(f"sqlite:///{tmp_path / 'i.db'}"))
+def stalled_service(**options: Any) -> tuple[FastAPI, PausableStore]:
+    # Leases are proven on the worker's real clock, so the store keeps real time too.
+    store = PausableStore(MemoryStore())
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
     effects: Counter[str] = Counter()
@@ -45,9 +45,9 @@ async def pause_after(store: PausableStore, delay: float, length: float) -> None
 
 
 async def test_a_lease_not_proven_in_time_stops_the_request(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    app, store = await stalled_service(tmp_path, lease=0.6, retry_after=2)
+    app, store = stalled_service(lease=0.6, retry_after=2)
     async with client_for(app) as client, anyio.create_task_group() as group:
         group.start_soon(pause_after, store, 0.1, 1.5)
         started = time.monotonic()
@@ -63,9 +63,9 @@ async def test_a_lease_not_proven_in_time_stops_the_request(
 
 
 async def test_continue_lets_the_request_finish_unprotected(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    app, store = await stalled_service(tmp_path, lease=0.6, on_lease_lost="continue")
+    app, store = stalled_service(lease=0.6, on_lease_lost="continue")
     with caplog.at_level(logging.ERROR, "idempotency_mw"):
         async with client_for(app) as client, anyio.create_task_group() as group:
             group.start_soon(pause_after, store, 0.1, 1.0)
@@ -75,8 +75,8 @@ async def test_continue_lets_the_request_finish_unprotected(
     assert "goes on unprotected" in caplog.text
 
 
-async def test_a_pause_shorter_than_a_third_of_the_lease_costs_nothing(tmp_path: Path) -> None:
-    app, store = await stalled_service(tmp_path, lease=1.5)
+async def test_a_pause_shorter_than_a_third_of_the_lease_costs_nothing() -> None:
+    app, store = stalled_service(lease=1.5)
     async with client_for(app) as client, anyio.create_task_group() as group:
         # Renewals are due every 0.5 s: a 0.45 s pause covers one of them.
         group.start_soon(pause_after, store, 0.45, 0.45)
@@ -87,10 +87,8 @@ async def test_a_pause_shorter_than_a_third_of_the_lease_costs_nothing(tmp_path:
     assert app.state.effects == Counter(started=1, done=1)
 
 
-async def test_a_claim_slower_than_the_lease_renews_before_the_handler_starts(
-    tmp_path: Path,
-) -> None:
-    app, store = await stalled_service(tmp_path, lease=0.6)
+async def test_a_claim_slower_than_the_lease_renews_before_the_handler_starts() -> None:
+    app, store = stalled_service(lease=0.6)
     async with client_for(app) as client, anyio.create_task_group() as group:
         # The claim's reply comes after the whole lease: a renewal proves the key is still
         # this request's before the handler starts, so it runs to the end.
@@ -107,9 +105,9 @@ async def resume_after(store: PausableStore, delay: float) -> None:
 
 
 async def test_a_renewal_in_flight_when_the_handler_ends_runs_to_its_end(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    app, store = await stalled_service(tmp_path, lease=1.2)
+    app, store = stalled_service(lease=1.2)
     async with client_for(app) as client, anyio.create_task_group() as group:
         # The first renewal (0.4 s after the claim) waits on the store; the handler ends at
         # 0.7 s, its response does not wait for the renewal, and the renewal is not cut short.
@@ -126,10 +124,8 @@ async def test_a_renewal_in_flight_when_the_handler_ends_runs_to_its_end(
     assert "lost the lease" not in caplog.text
 
 
-async def test_a_timeout_of_the_handlers_own_is_not_taken_for_a_lost_lease(
-    tmp_path: Path,
-) -> None:
-    app, _ = await stalled_service(tmp_path)
+async def test_a_timeout_of_the_handlers_own_is_not_taken_for_a_lost_lease() -> None:
+    app, _ = stalled_service()
 
     @app.post("/times-out")
     async def times_out() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 import redis.asyncio
-from redis.cluster import key_slot
+from redis.crc import key_slot
 
 from idempotency_mw import ClaimOutcome, ConfigurationError, RedisStore, StoredResponse, StoreError
 from tests.redis_servers import RedisCluster, redis_cli

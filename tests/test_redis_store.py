@@ -31,7 +31,9 @@ def unique_prefix() -> str:
     return f"test-idem-{uuid.uuid4().hex}:"
 
 
-async def delete_prefix(client: redis.asyncio.Redis, prefix: str) -> None:
+async def delete_prefix(
+    client: redis.asyncio.Redis | redis.asyncio.RedisCluster, prefix: str
+) -> None:
     keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=1000)]
     if keys:
         await client.delete(*keys)

@@ -124,13 +124,13 @@ async def test_database_and_login_come_from_the_address(redis_client: redis.asyn
         assert await connection.execute("ACL", "WHOAMI") == user.encode()
         await connection.execute("SET", key, b"v", "EX", 60)
         assert await redis_client.exists(key) == 0
-        await redis_client.execute_command("SELECT", 3)
+        await redis_client.execute_command("SELECT", 3)  # type: ignore[no-untyped-call]
         assert await redis_client.get(key) == b"v"
         with pytest.raises(ResponseError, match="WRONGPASS"):
             await wrong.execute("PING")
     finally:
         await redis_client.delete(key)
-        await redis_client.execute_command("SELECT", 0)
+        await redis_client.execute_command("SELECT", redis_address().db)  # type: ignore[no-untyped-call]
         await redis_client.acl_deluser(user)
         await connection.aclose()
         await wrong.aclose()

@@ -121,7 +121,7 @@ async def call(app: FastAPI, path: str, extensions: dict[str, Any]) -> list[Mess
 
 async def test_a_file_sent_by_path_is_never_run_again(store: Store, tmp_path: Path) -> None:
     app = app_with(store, tmp_path)
-    extensions = {"http.response.pathsend": {}}
+    extensions: dict[str, dict[str, Any]] = {"http.response.pathsend": {}}
     first = await call(app, "/file", extensions)
     retries = [await call(app, "/file", extensions) for _ in range(2)]
     assert [m["type"] for m in first] == ["http.response.start", "http.response.pathsend"]

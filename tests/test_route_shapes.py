@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import logging
-import sqlite3
 from collections import Counter
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import APIRouter, Depends, FastAPI, Header
@@ -18,31 +14,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Host, Route
 
-from idempotency_mw import IdempotencyMiddleware, SQLStore, Store, idempotent, install
+from idempotency_mw import IdempotencyMiddleware, Store, idempotent, install
 from idempotency_mw.testing import MemoryStore
 from tests.apps import client_for
-from tests.conftest import fresh_sql_store
+from tests.client_support import FakeTime
 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "idempotency.db"
-
-
-@pytest.fixture
-async def sqlite_store(db_path: Path) -> AsyncIterator[SQLStore]:
-    store = await fresh_sql_store(f"sqlite:///{db_path}")
-    yield store
-    await store.aclose()
-
-
-def record_count(db_path: Path) -> int:
-    with sqlite3.connect(db_path) as conn:
-        count: int = conn.execute("SELECT count(*) FROM idempotency_records").fetchone()[0]
-    conn.close()
-    return count
+async def record_count(store: MemoryStore) -> int:
+    return sum((await store.record_stats()).by_status.values())
 
 
 def key(value: str) -> dict[str, str]:
@@ -116,13 +97,15 @@ def service(store: Store, **options: Any) -> FastAPI:
     return app
 
 
-async def test_routes_of_included_routers_are_guarded_as_decorated(sqlite_store: SQLStore) -> None:
-    app = service(sqlite_store)
+async def test_routes_of_included_routers_are_guarded_as_decorated(
+    store: Store, fake_time: FakeTime
+) -> None:
+    app = service(store)
     async with client_for(app) as client:
         missing = await client.post("/v1/api/orders")
         first = await client.post("/v1/api/orders", headers=key("o-1"))
         again = await client.post("/v1/api/orders", headers=key("o-1"))
-        await anyio.sleep(0.5)  # the route's TTL (0.4 s), not the middleware's 24 h
+        fake_time.now += 0.5  # the route's TTL (0.4 s), not the middleware's 24 h
         after_ttl = await client.post("/v1/api/orders", headers=key("o-1"))
     assert missing.status_code == 400
     assert missing.json()["type"].endswith("missing-key")
@@ -132,9 +115,9 @@ async def test_routes_of_included_routers_are_guarded_as_decorated(sqlite_store:
     assert app.state.calls["create"] == 2
 
 
-async def test_nested_router_template_keeps_every_prefix(sqlite_store: SQLStore) -> None:
+async def test_nested_router_template_keeps_every_prefix(store: Store) -> None:
     app = service(
-        sqlite_store, routes={"/v1/api/orders/{order_id}/items/{item_id}/notes": {"required": True}}
+        store, routes={"/v1/api/orders/{order_id}/items/{item_id}/notes": {"required": True}}
     )
     async with client_for(app) as client:
         missing = await client.post("/v1/api/orders/7/items/a/notes")
@@ -147,8 +130,8 @@ async def test_nested_router_template_keeps_every_prefix(sqlite_store: SQLStore)
     assert app.state.calls["note"] == 1
 
 
-async def test_mounted_sub_apps_and_host_routes_are_guarded(sqlite_store: SQLStore) -> None:
-    app = service(sqlite_store, routes={"/legacy/jobs": {"required": True}})
+async def test_mounted_sub_apps_and_host_routes_are_guarded(store: Store) -> None:
+    app = service(store, routes={"/legacy/jobs": {"required": True}})
     async with client_for(app) as client:
         refund_missing = await client.post("/billing/refunds")
         refunds = [await client.post("/billing/refunds", headers=key("r")) for _ in range(2)]
@@ -164,10 +147,8 @@ async def test_mounted_sub_apps_and_host_routes_are_guarded(sqlite_store: SQLSto
     assert app.state.calls == Counter(refund=1, legacy=1, tenant=1)
 
 
-async def test_no_route_and_wrong_method_pass_through_unrecorded(
-    sqlite_store: SQLStore, db_path: Path
-) -> None:
-    app = service(sqlite_store, required=True)
+async def test_no_route_and_wrong_method_pass_through_unrecorded(store: MemoryStore) -> None:
+    app = service(store, required=True)
     async with client_for(app) as client:
         nope = [await client.post("/nope", headers=key("x")) for _ in range(2)]
         # A path converter that does not match (int) is no route either.
@@ -182,12 +163,12 @@ async def test_no_route_and_wrong_method_pass_through_unrecorded(
     assert [r.status_code for r in wrong_method] == [405, 405]
     assert unknown_in_mount.status_code == 404
     assert keyless.status_code == 404
-    assert record_count(db_path) == 0
+    assert await record_count(store) == 0
 
 
-async def test_routes_mapping_per_method(sqlite_store: SQLStore) -> None:
+async def test_routes_mapping_per_method(store: Store, fake_time: FakeTime) -> None:
     app = service(
-        sqlite_store,
+        store,
         routes={
             "DELETE /v1/api/orders/{order_id}": {"required": True},
             "/v1/api/orders/{order_id}": {"ttl": 0.3},
@@ -197,7 +178,7 @@ async def test_routes_mapping_per_method(sqlite_store: SQLStore) -> None:
         delete_missing = await client.delete("/v1/api/orders/1")
         put_keyless = await client.put("/v1/api/orders/1")
         await client.put("/v1/api/orders/1", headers=key("p"))
-        await anyio.sleep(0.4)
+        fake_time.now += 0.4
         put_after_ttl = await client.put("/v1/api/orders/1", headers=key("p"))
         deleted = [await client.delete("/v1/api/orders/1", headers=key("d")) for _ in range(2)]
     assert delete_missing.status_code == 400
@@ -207,10 +188,10 @@ async def test_routes_mapping_per_method(sqlite_store: SQLStore) -> None:
 
 
 async def test_routes_entry_matching_no_route_is_reported_at_startup(
-    sqlite_store: SQLStore, caplog: pytest.LogCaptureFixture
+    store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     app = service(
-        sqlite_store,
+        store,
         routes={"/v1/api/orders": {"ttl": 60}, "/v1/api/typo": {"ttl": 60}, "GET /v1/*": {}},
     )
     with caplog.at_level(logging.WARNING, "idempotency_mw"):
@@ -222,8 +203,8 @@ async def test_routes_entry_matching_no_route_is_reported_at_startup(
     assert "'/v1/api/orders'" not in warning
 
 
-async def test_routes_added_after_the_first_request_are_resolved(sqlite_store: SQLStore) -> None:
-    app = service(sqlite_store)
+async def test_routes_added_after_the_first_request_are_resolved(store: Store) -> None:
+    app = service(store)
     async with client_for(app) as client:
         before = await client.post("/late", headers=key("l"))
 
@@ -241,8 +222,8 @@ async def test_routes_added_after_the_first_request_are_resolved(sqlite_store: S
     assert again.headers["idempotent-replayed"] == "true"
 
 
-async def test_openapi_documents_router_routes(sqlite_store: SQLStore) -> None:
-    app = service(sqlite_store)
+async def test_openapi_documents_router_routes(store: Store) -> None:
+    app = service(store)
     async with client_for(app) as client:
         schema = (await client.get("/openapi.json")).json()
     operation = schema["paths"]["/v1/api/orders"]["post"]
@@ -252,9 +233,9 @@ async def test_openapi_documents_router_routes(sqlite_store: SQLStore) -> None:
     assert any(p["name"] == "Idempotency-Key" and not p["required"] for p in put["parameters"])
 
 
-async def test_resolution_is_cached_per_method_and_path(sqlite_store: SQLStore) -> None:
-    app = service(sqlite_store)
-    middleware = IdempotencyMiddleware(app.router, store=sqlite_store)
+async def test_resolution_is_cached_per_method_and_path(store: Store) -> None:
+    app = service(store)
+    middleware = IdempotencyMiddleware(app.router, store=store)
     table = middleware.routes
     scope: dict[str, Any] = {
         "type": "http",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -88,7 +88,7 @@ async def silent_port() -> AsyncIterator[int]:
 
 async def failure_of(store: Store, operation: str) -> str:
     """The message of the StoreError that ``operation`` on ``store`` raises."""
-    calls = {
+    calls: dict[str, Callable[[], Awaitable[object]]] = {
         "claim": lambda: store.claim("s", "k", "f", ttl=60, lease=60),
         "renew": lambda: store.renew("s", "k", "t" * 32, lease=60),
         "release": lambda: store.release("s", "k", "t" * 32),
