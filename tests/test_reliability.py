@@ -11,7 +11,6 @@ which the test cuts and restores; the servers themselves are never touched.
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import os
 import time
@@ -29,7 +28,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from idempotency_mw import RedisStore, SQLStore, Store, StoredResponse, StoreError
+from idempotency_mw import RedisStore, SQLStore, Store, StoredResponse, StoreError, metrics
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import records
 from tests.conftest import (
@@ -67,7 +66,7 @@ def headers_for(key: str, caller: str = CALLER) -> dict[str, str]:
 
 def key_hash(key: str, caller: str = CALLER) -> str:
     """The 12-character hash the middleware logs instead of the key."""
-    return hashlib.sha256(f"{caller}\0{key}".encode()).hexdigest()[:12]
+    return metrics.key_hash(caller, key)
 
 
 async def collecting_garbage(
