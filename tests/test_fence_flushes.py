@@ -13,9 +13,17 @@ from fastapi import FastAPI
 from sqlalchemy import Column, MetaData, String, Table, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from idempotency_mw import IdempotencyMiddleware, SQLStore, fence, idempotent
+from idempotency_mw import (
+    Claim,
+    IdempotencyMiddleware,
+    SQLStore,
+    StoredResponse,
+    fence,
+    idempotent,
+)
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import records
+from idempotency_mw.testing import MemoryStore
 from tests.apps import client_for
 from tests.conftest import SERVER_DATABASES, fresh_sql_store, require_server
 
@@ -163,3 +171,33 @@ async def test_a_lost_claim_still_commits_its_effect_once_and_a_retry_is_refused
     assert again.json() == first.json()
     async with engine.connect() as conn:
         assert await conn.scalar(select(func.count()).select_from(orders)) == 1
+
+
+class EarlierStore(MemoryStore):
+    """A store written for the protocol before ``durable=``: its methods lack the keyword."""
+
+    async def claim(  # type: ignore[override]
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, binding: str = ""
+    ) -> Claim:
+        return await super().claim(scope, key, fingerprint, ttl=ttl, lease=lease, binding=binding)
+
+    async def complete(  # type: ignore[override]
+        self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
+    ) -> bool:
+        return await super().complete(scope, key, token, response, ttl=ttl)
+
+
+async def test_a_store_without_the_keyword_is_never_given_it() -> None:
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=EarlierStore())
+
+    @app.post("/fenced", status_code=201)
+    @idempotent(fenced=True)
+    async def fenced() -> dict[str, str]:
+        return {"id": "1"}
+
+    async with client_for(app) as client:
+        first = await client.post("/fenced", headers={"Idempotency-Key": "k"})
+        again = await client.post("/fenced", headers={"Idempotency-Key": "k"})
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"

@@ -62,6 +62,12 @@ class SQLStore(SQLInspection, ClaimsWithToken):
     ``sqlite_synchronous="NORMAL"`` makes commits much cheaper (no fsync each), and a power cut can
     then lose the latest ones (never corrupt the file).
 
+    The claims and completions of a route declared ``fenced=True`` (``durable=False``) skip
+    their own flush: on PostgreSQL through asyncpg they run on a second pool, of up to as many
+    connections, whose sessions have ``synchronous_commit=off``; on a SQLite file in WAL on the
+    event loop's connection, in ``synchronous=NORMAL``. Elsewhere (MariaDB/MySQL, an engine of
+    your own) they stay durable.
+
     With ``settlement_notices=True``, on PostgreSQL, the store also offers a
     :class:`~idempotency_mw.stores.base.SettlementFeed` (for ``wait=`` across workers):
     ``complete`` and ``release`` announce the record they settle with ``pg_notify`` in the same
