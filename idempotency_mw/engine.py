@@ -111,6 +111,18 @@ class ClaimEngine:
             await asyncio.wait(set(self._unfinished))
         await self.settlements.stop()
 
+    def answered_unfenced(self, method: str, route: str) -> None:
+        """Say that a call of a route declared fenced answered without ``fence()``: once per
+        route, since one that fences only on some paths would say it on every call."""
+        if (method, route) not in self._unfenced:
+            self._unfenced.add((method, route))
+            logger.warning(
+                "%s %s declares fenced=True but answered without fence(): its response is "
+                "recorded durably, the only proof of its effect (said once for this route)",
+                method,
+                route,
+            )
+
     def call(self, request: ClaimRequest, *, method: str, route: str) -> Call:
         """The way of one call through the engine (``method`` and ``route`` name it in events:
         an HTTP method and route template, or ``"CALL"`` and a function's name)."""
@@ -341,7 +353,7 @@ class Call:
         """
         request = self.request
         if request.fenced and not fenced:
-            self._unfenced_once()
+            self.engine.answered_unfenced(self.method, self.route)
         try:
             owned = await self.call_store(
                 "complete",
@@ -379,19 +391,6 @@ class Call:
     def _flush(self, skipped: bool) -> dict[str, bool]:
         """The store call's keywords: ``durable=False`` when its flush may be skipped."""
         return {"durable": False} if skipped and self.engine.skips_flushes else {}
-
-    def _unfenced_once(self) -> None:
-        # Recorded durably (the completion is then the only proof): said once per route, since
-        # a route that fences only on some paths would say it on every request.
-        route, unfenced = (self.method, self.route), self.engine._unfenced
-        if route not in unfenced:
-            unfenced.add(route)
-            logger.warning(
-                "%s %s declares fenced=True but answered without fence(): its response is "
-                "recorded durably (said once for this route)",
-                self.method,
-                self.route,
-            )
 
     def _settled(self) -> None:
         if self.request.wait:
