@@ -190,7 +190,7 @@ async def _store_statements(
             "p_response_headers": b"\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json",
             "p_result_payload": BODY,
         }
-        _, taken = await claim.attempt(driver, params, math.inf)
+        _, taken = await claim.attempt(driver, params, math.inf, durable=True)
         assert taken
         assert await driver.change(SILENT.complete, params, deadline=math.inf) == 1
 

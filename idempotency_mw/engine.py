@@ -23,7 +23,7 @@ from idempotency_mw.lease import Clock, LeaseKeeper
 from idempotency_mw.metrics import Event, EventHook, EventKind, key_hash
 from idempotency_mw.options import LeaseLostAction
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
-from idempotency_mw.stores.base import Store
+from idempotency_mw.stores.base import Store, takes_keyword
 from idempotency_mw.waiting import Settlements
 
 logger = logging.getLogger("idempotency_mw")
@@ -53,6 +53,9 @@ class ClaimRequest:
     lease: float
     wait: float = 0.0
     binding: str = ""
+    #: The call declares it commits its effect with ``fence()``: its claim and completion
+    #: need not wait for their own flush (see :class:`~idempotency_mw.stores.base.Store`).
+    fenced: bool = False
 
 
 class LeaseUnproven(Exception):
@@ -81,6 +84,12 @@ class ClaimEngine:
         self.on_lease_lost = on_lease_lost
         self.clock = clock
         self.settlements = Settlements(store)
+        #: Whether the store takes ``durable=`` (one written for an earlier protocol may not).
+        self.skips_flushes = takes_keyword(store.claim, "durable") and takes_keyword(
+            store.complete, "durable"
+        )
+        #: The routes declared fenced that returned without ``fence()``, logged once each.
+        self._unfenced: set[tuple[str, str]] = set()
         #: Store calls sent for work that has ended, seen to their end (see :meth:`aclose`).
         self._unfinished: set[asyncio.Future[Any]] = set()
 
@@ -101,6 +110,18 @@ class ClaimEngine:
         if self._unfinished:
             await asyncio.wait(set(self._unfinished))
         await self.settlements.stop()
+
+    def answered_unfenced(self, method: str, route: str) -> None:
+        """Say that a call of a route declared fenced answered without ``fence()``: once per
+        route, since one that fences only on some paths would say it on every call."""
+        if (method, route) not in self._unfenced:
+            self._unfenced.add((method, route))
+            logger.warning(
+                "%s %s declares fenced=True but answered without fence(): its response is "
+                "recorded durably, the only proof of its effect (said once for this route)",
+                method,
+                route,
+            )
 
     def call(self, request: ClaimRequest, *, method: str, route: str) -> Call:
         """The way of one call through the engine (``method`` and ``route`` name it in events:
@@ -175,7 +196,14 @@ class Hold:
             raise LeaseUnproven
         request = call.request
         self.claim_held = CurrentClaim(
-            self.engine.store, request.scope, request.key, claim.token, request.ttl
+            self.engine.store,
+            request.scope,
+            request.key,
+            claim.token,
+            request.ttl,
+            fingerprint=request.fingerprint,
+            binding=request.binding,
+            lease=request.lease,
         )
         call.emit(EventKind.CLAIM_STARTED)
         self._keeping = asyncio.ensure_future(keeper.keep())  # awaited when the block ends
@@ -279,6 +307,7 @@ class Call:
         deadline = engine.clock() + request.wait
         polling = engine.settlements.polling
         polls = 0
+        flush = self._flush(request.fenced)
         while True:
             self.claimed_at = claimed_at = engine.clock()
             claim = await self.call_store(
@@ -290,6 +319,7 @@ class Call:
                     ttl=request.ttl,
                     lease=request.lease,
                     binding=request.binding,
+                    **flush,
                 ),
             )
             if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:
@@ -311,18 +341,29 @@ class Call:
             logger.warning("could not renew the lease of key %s: %s", self.key_id, exc)
             return None
 
-    async def complete(self, token: str, response: StoredResponse | None) -> None:
-        """Record the outcome (``None``: the call ran, but its answer cannot be replayed).
+    async def complete(
+        self, token: str, response: StoredResponse | None, *, fenced: bool = False
+    ) -> None:
+        """Record the outcome (``None``: the call ran, but its answer cannot be replayed);
+        ``fenced``: whether the call's effect was fenced (or refused by a fence), which lets
+        a call declared fenced skip the completion's own flush.
 
         A store failure is logged: the claim stays in progress until its lease lapses, so a
         retry meanwhile is told so, never run a second time or given a wrong answer.
         """
         request = self.request
+        if request.fenced and not fenced:
+            self.engine.answered_unfenced(self.method, self.route)
         try:
             owned = await self.call_store(
                 "complete",
                 self.engine.store.complete(
-                    request.scope, request.key, token, response, ttl=request.ttl
+                    request.scope,
+                    request.key,
+                    token,
+                    response,
+                    ttl=request.ttl,
+                    **self._flush(request.fenced and fenced),
                 ),
             )
         except StoreError as exc:
@@ -346,6 +387,10 @@ class Call:
             logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)
         finally:
             self._settled()
+
+    def _flush(self, skipped: bool) -> dict[str, bool]:
+        """The store call's keywords: ``durable=False`` when its flush may be skipped."""
+        return {"durable": False} if skipped and self.engine.skips_flushes else {}
 
     def _settled(self) -> None:
         if self.request.wait:

@@ -107,6 +107,8 @@ class Exchange:
         #: Whether the endpoint began (its effect may have happened).
         self._began = True
         self._settled = False
+        #: ``fence()`` found an earlier run's proof: the app's database decides this key.
+        self._refused_by_proof = False
 
     async def run(self, *, doors: str | None) -> None:
         """Handle the request; ``doors``: which doors its route has (see
@@ -183,7 +185,7 @@ class Exchange:
                 raise
             # fence() found the proof of an earlier run that committed (the store forgot it):
             # the answer is recorded, so a retry is told the same without running again.
-            self._began = True
+            self._began = self._refused_by_proof = True
             problem, status, detail = _REFUSALS[ClaimOutcome.COMMITTED_WITHOUT_RESPONSE]
             await send_problem(
                 recorder.send, problem, status, detail, retry_after=self.options.retry_after
@@ -241,6 +243,7 @@ class Exchange:
                 lease=self.settings.lease,
                 wait=self.settings.wait,
                 binding=binding,
+                fenced=self.settings.fenced,
             ),
             method=self.scope["method"],
             route=self.template,
@@ -335,7 +338,7 @@ class Exchange:
                 call.key_id,
                 recorder.unreplayable_reason or "it was cut short",
             )
-        await call.complete(token, response)
+        await call.complete(token, response, fenced=self._entry_fenced() or self._refused_by_proof)
 
     def _entry_fenced(self) -> bool:
         return isinstance(self._entry, CurrentClaim) and self._entry.fenced

@@ -33,6 +33,10 @@ class CurrentClaim:
     token: str
     #: The key's TTL in seconds: how long a proof in the application's database lives.
     ttl: float
+    #: What the claim's record holds, to write it again if it was lost before its flush.
+    fingerprint: str = ""
+    binding: str = ""
+    lease: float = 0.0
     #: Set once ``fence()`` marked the effect in the app's transaction: from then on nothing
     #: can take the key over, so a lost lease never stops the call.
     fenced: bool = False
@@ -108,7 +112,11 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
     connection = await session.connection() if hasattr(session, "get_bind") else session
     if _on_the_store(target, connection.engine.url):
         statement, params = target.fence_statement(claim.scope, claim.key, claim.token)
-        _check_owned((await connection.execute(statement, params)).rowcount)
+        changed = (await connection.execute(statement, params)).rowcount
+        if changed == 0:
+            statement, params = target.refence_statement(claim)
+            changed = (await connection.execute(statement, params)).rowcount
+        _check_owned(changed)
     else:
         from idempotency_mw.proofs import write_proof
 
@@ -139,7 +147,11 @@ def fence_sync(session: Any, *, store: Store | None = None) -> None:
     connection = session.connection() if hasattr(session, "get_bind") else session
     if _on_the_store(target, connection.engine.url):
         statement, params = target.fence_statement(claim.scope, claim.key, claim.token)
-        _check_owned(connection.execute(statement, params).rowcount)
+        changed = connection.execute(statement, params).rowcount
+        if changed == 0:
+            statement, params = target.refence_statement(claim)
+            changed = connection.execute(statement, params).rowcount
+        _check_owned(changed)
     else:
         from idempotency_mw.proofs import write_proof_sync
 
@@ -170,7 +182,8 @@ def _claim_and_store(store: Store | None) -> tuple[CurrentClaim, Any]:
 
 def _on_the_store(store: Any, url: URL) -> bool:
     """Whether ``url`` is the database of ``store`` (a SQLStore): then its own record is the
-    proof; any other store's proof is a row of the proof table on the session's database."""
+    proof (marked, or written again if it is gone); any other store's proof is a row of the
+    proof table on the session's database."""
     return hasattr(store, "fence_statement") and _database_of(store.url) == _database_of(url)
 
 

@@ -73,6 +73,7 @@ class IdempotencyMiddleware:
         release_statuses: Iterable[int] = (),
         fingerprint: FingerprintMode = "bytes",
         wait: Duration = 0,
+        fenced: bool = False,
         store_server_errors: bool = False,
         mismatch_status: int = 409,
         fail_open: bool = False,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -14,7 +13,7 @@ from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.metrics import EventHook, guard
 from idempotency_mw.policy import RouteOptions, Settings
-from idempotency_mw.stores.base import Store
+from idempotency_mw.stores.base import Store, takes_keyword
 
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: Headers left out of a record: credentials a handler may echo, challenges, hop-by-hop headers.
@@ -103,7 +102,7 @@ def build_options(
     :class:`~idempotency_mw.policy.RoutePolicy`) as ``route_defaults``."""
     if not isinstance(store, Store):
         raise ConfigurationError(f"store must implement the Store protocol, got {store!r}")
-    if not _accepts_binding(store):
+    if not takes_keyword(store.claim, "binding"):
         raise ConfigurationError(
             f"{store!r}.claim() must accept binding= (the Store protocol binds records to "
             "the caller's credentials)"
@@ -155,11 +154,3 @@ def build_options(
         lifespan=lifespan,
         on_event=None if on_event is None else guard(on_event),
     )
-
-
-def _accepts_binding(store: Store) -> bool:
-    try:
-        parameters = inspect.signature(store.claim).parameters.values()
-    except (TypeError, ValueError):  # a callable without a signature: take it on trust
-        return True
-    return any(p.name == "binding" or p.kind is p.VAR_KEYWORD for p in parameters)

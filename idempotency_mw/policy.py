@@ -65,6 +65,15 @@ def _as_given(value: T) -> T:
     return value
 
 
+def _flag(name: str) -> Callable[[object], bool]:
+    def check(value: object) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+        return value
+
+    return check
+
+
 def _duration(name: str, *, zero: bool = False) -> Callable[[Duration], float]:
     return functools.partial(to_seconds, name=name, zero=zero)
 
@@ -92,6 +101,9 @@ class RoutePolicy:
     wait: float | None = field(default=None, metadata={_CHECK: _duration("wait", zero=True)})
     #: The caller's scope comes from the endpoint's dependency (``@idempotent(scope=...)``).
     scoped: bool | None = field(default=None, metadata={_CHECK: _as_given})
+    #: The endpoint commits its effect with ``fence()``: its claim and completion skip their
+    #: own flush to disk (the fenced commit is the one that must last).
+    fenced: bool | None = field(default=None, metadata={_CHECK: _flag("fenced")})
 
     @classmethod
     def of(cls, given: Mapping[str, object]) -> RoutePolicy:
@@ -121,6 +133,7 @@ class Settings:
     fingerprint: FingerprintMode
     wait: float
     scoped: bool = False
+    fenced: bool = False
 
     @classmethod
     def defaults(cls, given: Mapping[str, object]) -> Settings:
@@ -141,6 +154,7 @@ class RouteOptions(TypedDict, total=False):
     release_statuses: Iterable[int]
     fingerprint: FingerprintMode
     wait: Duration
+    fenced: bool
 
 
 def idempotent(
@@ -151,6 +165,7 @@ def idempotent(
     release_statuses: Iterable[int] | None = None,
     fingerprint: FingerprintMode | None = None,
     wait: Duration | None = None,
+    fenced: bool | None = None,
     scope: object = None,
 ) -> Callable[[Endpoint], Endpoint]:
     """Per-route settings for the endpoint it decorates (put it below the route decorator).
@@ -162,6 +177,10 @@ def idempotent(
     is released instead of recorded (by default every answer below 500 is recorded);
     ``fingerprint``: ``"json"`` to compare JSON bodies by content, not bytes;
     ``wait``: how long a duplicate waits for the first request's outcome before 409;
+    ``fenced``: ``True`` when the endpoint commits its effect with ``fence()``: the claim and
+    the completion then skip their own flush to disk where the store's database allows it
+    (the fenced commit decides; a request that returns without ``fence()`` is recorded
+    durably, and logged once);
     ``scope``: a FastAPI dependency (``Depends(current_user)``) whose value, a non-empty
     string, is the caller's scope of this route's keys; its own errors (a 401) are the app's
     answers, given before any key is claimed. The endpoint is then wrapped, so that FastAPI

@@ -72,6 +72,7 @@ class MemoryStore(ClaimsWithToken):
         lease: float,
         token: str,
         binding: str = "",
+        durable: bool = True,  # ignored: every step is as durable as this store can be
     ) -> Claim:
         with self._lock:
             now = self._clock()
@@ -117,7 +118,14 @@ class MemoryStore(ClaimsWithToken):
         )
 
     async def complete(
-        self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
+        self,
+        scope: str,
+        key: str,
+        token: str,
+        response: StoredResponse | None,
+        *,
+        ttl: float,
+        durable: bool = True,
     ) -> bool:
         status = RecordStatus.UNREPLAYABLE if response is None else RecordStatus.COMPLETED
         return self._change(

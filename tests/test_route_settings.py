@@ -43,6 +43,7 @@ BAD = [
     ("wait", -1, "wait must be a positive duration"),
     ("release_statuses", [500], "release_statuses must be 4xx statuses"),
     ("fingerprint", "xml", "fingerprint must be 'bytes' or 'json'"),
+    ("fenced", "yes", "fenced must be True or False"),
 ]
 
 
@@ -58,7 +59,7 @@ def test_a_bad_setting_is_refused_alike_everywhere(name: str, value: Any, messag
 
 def test_an_unknown_route_setting_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="unknown options for route '/x'"):
-        IdempotencyMiddleware(FastAPI(), store=MemoryStore(), routes={"/x": {"fenced": True}})  # type: ignore[typeddict-unknown-key]
+        IdempotencyMiddleware(FastAPI(), store=MemoryStore(), routes={"/x": {"fenceed": True}})  # type: ignore[typeddict-unknown-key]
 
 
 def test_a_policy_overrides_only_what_it_sets() -> None:

@@ -128,7 +128,7 @@ async def test_closing_the_driver_waits_for_the_pool_it_left_in_another_running_
             driver.fetch(backend_pid, {}, deadline=math.inf), other
         )
         used.result(timeout=10)
-        left = [connection for connection, _ in driver._pool._idle]
+        left = [connection for connection, _ in driver._pool.durable._idle]
         assert left
         # The other loop is busy for a while: its pool closes there only afterwards.
         other.call_soon_threadsafe(time.sleep, 0.3)

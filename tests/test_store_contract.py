@@ -136,6 +136,23 @@ async def test_other_fingerprint_is_mismatch_in_progress_and_completed(store: St
     )
 
 
+async def test_steps_that_skip_their_flush_have_the_same_outcomes(store: Store) -> None:
+    claim = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, durable=False)
+    assert claim.outcome is ClaimOutcome.ACQUIRED
+    assert claim.token is not None
+    again = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, durable=False)
+    assert again.outcome is ClaimOutcome.IN_PROGRESS
+    other = await store.claim("", "k", "other", ttl=TTL, lease=LEASE, durable=False)
+    assert other.outcome is ClaimOutcome.MISMATCH
+    assert await store.complete("", "k", claim.token, RESPONSE, ttl=TTL, durable=False)
+    # Delivered twice: acknowledged again.
+    assert await store.complete("", "k", claim.token, RESPONSE, ttl=TTL, durable=False)
+    assert not await store.complete("", "k", "not-mine", RESPONSE, ttl=TTL, durable=False)
+    replay = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
+    assert replay.outcome is ClaimOutcome.REPLAY
+    assert replay.response == RESPONSE
+
+
 async def test_unreplayable_record(store: Store) -> None:
     token = await acquire(store)
     assert await store.complete("", "k", token, None, ttl=TTL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -10,6 +11,16 @@ from idempotency_mw.records import Claim, RecordStatus, StoredResponse, new_toke
 
 if TYPE_CHECKING:
     from idempotency_mw.admin import RecordView, StoreStats
+
+
+def takes_keyword(method: Callable[..., object], name: str) -> bool:
+    """Whether ``method`` accepts the keyword ``name`` (a store's method written for an earlier
+    protocol may not); one without a signature is taken on trust."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 @runtime_checkable
@@ -46,6 +57,13 @@ class Store(Protocol):
     finds the record in progress under its own token answers ``ACQUIRED`` with that token again,
     and a completion that finds it settled as it would settle it answers ``True`` again.
 
+    ``durable=False`` (of :meth:`claim` and :meth:`complete`) says the caller's effect is fenced
+    in its application's own transaction, which decides whether it happened: the step need not
+    wait for its own flush to disk, and may be lost in a crash (never half-applied). The
+    outcomes are the same. A store may ignore it (``MemoryStore``, Redis, MariaDB/MySQL: every
+    step stays durable, which is always safe); a store whose methods lack the keyword is simply
+    never given it.
+
     Backend failures raise :class:`~idempotency_mw.exceptions.StoreError`.
 
     A store may also offer :class:`SettlementFeed`, which is optional: no store has to.
@@ -60,6 +78,7 @@ class Store(Protocol):
         ttl: float,
         lease: float,
         binding: str = "",
+        durable: bool = True,
     ) -> Claim:
         """Claim ``key`` for a request whose hash is ``fingerprint`` (times in seconds)."""
         ...
@@ -69,7 +88,14 @@ class Store(Protocol):
         ...
 
     async def complete(
-        self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
+        self,
+        scope: str,
+        key: str,
+        token: str,
+        response: StoredResponse | None,
+        *,
+        ttl: float,
+        durable: bool = True,
     ) -> bool:
         """Record the response (``None``: not replayable); the record then lives for ``ttl``."""
         ...
@@ -176,10 +202,18 @@ class ClaimsWithToken(abc.ABC):
         ttl: float,
         lease: float,
         binding: str = "",
+        durable: bool = True,
     ) -> Claim:
         """Claim ``key`` for a request whose hash is ``fingerprint`` (see :class:`Store`)."""
         return await self._claim(
-            scope, key, fingerprint, ttl=ttl, lease=lease, token=new_token(), binding=binding
+            scope,
+            key,
+            fingerprint,
+            ttl=ttl,
+            lease=lease,
+            token=new_token(),
+            binding=binding,
+            durable=durable,
         )
 
     @abc.abstractmethod
@@ -193,5 +227,6 @@ class ClaimsWithToken(abc.ABC):
         lease: float,
         token: str,
         binding: str = "",
+        durable: bool = True,
     ) -> Claim:
         """:meth:`claim` with the request's ``token``."""

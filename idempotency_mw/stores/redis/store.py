@@ -191,6 +191,7 @@ class RedisStore(RedisInspection, ClaimsWithToken):
         lease: float,
         token: str,
         binding: str = "",
+        durable: bool = True,  # ignored: every step is as durable as this store can be
     ) -> Claim:
         reply = await self._run(
             "claim",
@@ -217,7 +218,14 @@ class RedisStore(RedisInspection, ClaimsWithToken):
         )
 
     async def complete(
-        self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
+        self,
+        scope: str,
+        key: str,
+        token: str,
+        response: StoredResponse | None,
+        *,
+        ttl: float,
+        durable: bool = True,
     ) -> bool:
         args: list[Arg] = [token, _ms(ttl), self._channel, key_hash(scope, key)]
         if response is None:

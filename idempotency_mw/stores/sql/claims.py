@@ -35,10 +35,10 @@ class ClaimSQL(abc.ABC):
 
     @abc.abstractmethod
     async def attempt(
-        self, driver: Driver, params: dict[str, Any], deadline: float
+        self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
     ) -> tuple[Row | None, bool]:
         """The row of ``READ`` of a live record found (else ``None``), and whether the request
-        took the key."""
+        took the key (``durable``: whether its write must wait for its own flush)."""
 
 
 def _upsert_returning(dialect: Any, rows: Any = None) -> Any:
@@ -76,12 +76,12 @@ class SQLiteClaim(ClaimSQL):
         self._upsert = _upsert_returning(sqlite)
 
     async def attempt(
-        self, driver: Driver, params: dict[str, Any], deadline: float
+        self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
     ) -> tuple[Row | None, bool]:
         live = await _read_live(driver, params, deadline)
         if live is not None:
             return live, False
-        rows = await driver.fetch(self._upsert, params, deadline=deadline)
+        rows = await driver.fetch(self._upsert, params, deadline=deadline, durable=durable)
         return None, bool(rows) and rows[0][0] == params["p_token"]
 
 
@@ -116,9 +116,10 @@ class PostgreSQLClaim(ClaimSQL):
         )
 
     async def attempt(
-        self, driver: Driver, params: dict[str, Any], deadline: float
+        self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
     ) -> tuple[Row | None, bool]:
-        *read, token = (await driver.fetch(self._statement, params, deadline=deadline))[0]
+        rows = await driver.fetch(self._statement, params, deadline=deadline, durable=durable)
+        *read, token = rows[0]
         return (read if read[0] is not None else None), token == params["p_token"]
 
 
@@ -154,12 +155,12 @@ class MySQLClaim(ClaimSQL):
         self._upsert = insert.on_duplicate_key_update(assignments)
 
     async def attempt(
-        self, driver: Driver, params: dict[str, Any], deadline: float
+        self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
     ) -> tuple[Row | None, bool]:
         live = await _read_live(driver, params, deadline)
         if live is not None:
             return live, False
-        await driver.change(self._upsert, params, deadline=deadline)
+        await driver.change(self._upsert, params, deadline=deadline, durable=durable)
         rows = await driver.fetch(WINNER, params, deadline=deadline)
         return None, bool(rows) and rows[0][0] == params["p_token"]
 

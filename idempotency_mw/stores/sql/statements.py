@@ -22,6 +22,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import (
@@ -188,6 +189,16 @@ SILENT = Settling(COMPLETE, RELEASE, RELEASE_COMMITTED)
 #: A fenced commit: inside the application's own transaction, this request's claim (still in
 #: progress under its token) marks its effect as committed.
 FENCE = update(records).where(KEY_IS, MINE).values(committed_at=NOW)
+_REFENCED = {**NEW_RECORD, "committed_at": NOW}
+#: A fenced commit whose claim's record is gone (a claim not flushed before a crash, a record
+#: purged): the record written again as this token's, its effect committed, unless any record
+#: of the key is there (then the key is another request's).
+REFENCE: dict[str, Executable] = {
+    "sqlite": sqlite.insert(records).values(_REFENCED).on_conflict_do_nothing(),
+    "postgresql": postgresql.insert(records).values(_REFENCED).on_conflict_do_nothing(),
+    "mysql": mysql.insert(records).values(_REFENCED).prefix_with("IGNORE"),
+    "mariadb": mysql.insert(records).values(_REFENCED).prefix_with("IGNORE"),
+}
 
 _BATCH = bindparam("p_batch_size", type_=Integer)
 

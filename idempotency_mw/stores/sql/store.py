@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -29,7 +29,17 @@ from idempotency_mw.stores.sql.admin import SQLInspection
 from idempotency_mw.stores.sql.claims import CLAIMS
 from idempotency_mw.stores.sql.drivers import DriverChoice, Synchronous, open_driver
 from idempotency_mw.stores.sql.schema import check_schema
-from idempotency_mw.stores.sql.statements import FENCE, PURGES, RENEW, SETTLING, SILENT
+from idempotency_mw.stores.sql.statements import (
+    FENCE,
+    PURGES,
+    REFENCE,
+    RENEW,
+    SETTLING,
+    SILENT,
+)
+
+if TYPE_CHECKING:
+    from idempotency_mw.fence import CurrentClaim
 
 T = TypeVar("T")
 #: The share of the operation timeout a statement may spend in a thread waiting for a lock.
@@ -51,6 +61,12 @@ class SQLStore(SQLInspection, ClaimsWithToken):
     ``sqlite_wal=False`` leaves the file's journal mode as it is;
     ``sqlite_synchronous="NORMAL"`` makes commits much cheaper (no fsync each), and a power cut can
     then lose the latest ones (never corrupt the file).
+
+    The claims and completions of a route declared ``fenced=True`` (``durable=False``) skip
+    their own flush: on PostgreSQL through asyncpg they run on a second pool, of up to as many
+    connections, whose sessions have ``synchronous_commit=off``; on a SQLite file in WAL on the
+    event loop's connection, in ``synchronous=NORMAL``. Elsewhere (MariaDB/MySQL, an engine of
+    your own) they stay durable.
 
     With ``settlement_notices=True``, on PostgreSQL, the store also offers a
     :class:`~idempotency_mw.stores.base.SettlementFeed` (for ``wait=`` across workers):
@@ -104,6 +120,7 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         lease: float,
         token: str,
         binding: str = "",
+        durable: bool = True,
     ) -> Claim:
         params = {
             **_record_of(scope, key),
@@ -118,7 +135,8 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         # the next attempt reads that request's record.
         for _ in range(3):
             live, taken = await self._call(
-                "claim", lambda ends: self._claim_sql.attempt(self._driver, params, ends)
+                "claim",
+                lambda ends: self._claim_sql.attempt(self._driver, params, ends, durable=durable),
             )
             if taken:
                 return Claim(ClaimOutcome.ACQUIRED, token=token)
@@ -132,7 +150,14 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         return await self._call("renew", lambda ends: self._change(RENEW, params, ends)) == 1
 
     async def complete(
-        self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
+        self,
+        scope: str,
+        key: str,
+        token: str,
+        response: StoredResponse | None,
+        *,
+        ttl: float,
+        durable: bool = True,
     ) -> bool:
         params: dict[str, Any] = {
             **_record_of(scope, key),
@@ -150,7 +175,9 @@ class SQLStore(SQLInspection, ClaimsWithToken):
                 "p_response_headers": pack_headers(response.headers),
                 "p_result_payload": response.body,
             }
-        return await self._settle("complete", self._settling.complete, scope, key, params)
+        return await self._settle(
+            "complete", self._settling.complete, scope, key, params, durable=durable
+        )
 
     async def release(self, scope: str, key: str, token: str) -> bool:
         params = {**_record_of(scope, key), "p_token": token}
@@ -160,16 +187,29 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         return await self._settle("release", self._settling.release_committed, scope, key, params)
 
     async def _settle(
-        self, operation: str, statement: Executable, scope: str, key: str, params: dict[str, Any]
+        self,
+        operation: str,
+        statement: Executable,
+        scope: str,
+        key: str,
+        params: dict[str, Any],
+        *,
+        durable: bool = True,
     ) -> bool:
         """Run a statement that settles the record: whether it changed it."""
+        driver = self._driver
         if self._settling.announce:
             params = {**params, "p_digest": key_hash(scope, key)}
             rows = await self._call(
-                operation, lambda ends: self._driver.fetch(statement, params, deadline=ends)
+                operation,
+                lambda ends: driver.fetch(statement, params, deadline=ends, durable=durable),
             )
             return len(rows) == 1
-        return await self._call(operation, lambda ends: self._change(statement, params, ends)) == 1
+        changed = await self._call(
+            operation,
+            lambda ends: driver.change(statement, params, deadline=ends, durable=durable),
+        )
+        return changed == 1
 
     async def watch_settlements(self, on_settled: Callable[[str], None]) -> None:
         """Pass the digest of each record any worker settles to ``on_settled``, until cancelled
@@ -198,6 +238,20 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         the application's own transaction; it changes one row while the token still holds the
         claim, none otherwise."""
         return FENCE, {**_record_of(scope, key), "p_token": token}
+
+    def refence_statement(self, claim: CurrentClaim) -> tuple[Executable, dict[str, Any]]:
+        """The statement to run in the same transaction when :meth:`fence_statement` changed
+        nothing: it writes the claim's record again, its effect committed, if no record of the
+        key is there (the claim was lost in a crash before its flush, or purged), and changes
+        one row if it did."""
+        return REFENCE[self._driver.dialect_name], {
+            **_record_of(claim.scope, claim.key),
+            "p_token": claim.token,
+            "p_fingerprint": claim.fingerprint,
+            "p_binding": claim.binding,
+            "p_ttl_ms": int(claim.ttl * 1000),
+            "p_lease_ms": int(claim.lease * 1000),
+        }
 
     @property
     def url(self) -> URL:

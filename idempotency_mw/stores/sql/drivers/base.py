@@ -20,7 +20,10 @@ class Driver(Protocol):
 
     Every statement runs on its own, in autocommit. ``deadline`` (on ``time.monotonic()``) is
     when the store stops waiting for the call: a statement that could not start by then (a
-    lock it waits for in a thread, a re-run) never starts later.
+    lock it waits for in a thread, a re-run) never starts later. A write with
+    ``durable=False`` may be answered before its commit reached the disk, where the database
+    allows that per connection (PostgreSQL through asyncpg, SQLite in WAL); elsewhere every
+    commit waits for the disk.
     """
 
     dialect_name: str
@@ -30,13 +33,23 @@ class Driver(Protocol):
     errors: tuple[type[Exception], ...]
 
     async def fetch(
-        self, statement: Executable, params: Mapping[str, Any], *, deadline: float
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        deadline: float,
+        durable: bool = True,
     ) -> Rows:
         """Rows of one statement."""
         ...
 
     async def change(
-        self, statement: Executable, params: Mapping[str, Any], *, deadline: float
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        deadline: float,
+        durable: bool = True,
     ) -> int:
         """Rows changed by one statement."""
         ...

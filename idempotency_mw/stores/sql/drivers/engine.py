@@ -53,7 +53,12 @@ class SQLAlchemyDriver:
         )
 
     async def fetch(
-        self, statement: Executable, params: Mapping[str, Any], *, deadline: float
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        deadline: float,
+        durable: bool = True,  # any engine's commits wait for the disk
     ) -> Rows:
         def rows(conn: Connection) -> Rows:
             return list(conn.execute(statement, params).all())
@@ -61,7 +66,12 @@ class SQLAlchemyDriver:
         return await self.run_sync(rows, deadline=deadline)
 
     async def change(
-        self, statement: Executable, params: Mapping[str, Any], *, deadline: float
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        deadline: float,
+        durable: bool = True,  # any engine's commits wait for the disk
     ) -> int:
         def count(conn: Connection) -> int:
             return int(conn.execute(statement, params).rowcount)

@@ -55,11 +55,21 @@ class AsyncmyDriver(PooledDriver):
         return await self._on_pool(run, deadline)
 
     async def fetch(
-        self, statement: Executable, params: Mapping[str, Any], *, deadline: float
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        deadline: float,
+        durable: bool = True,  # InnoDB's flush is global only
     ) -> Rows:
         return (await self._execute(statement, params, deadline, fetch=True))[0]
 
     async def change(
-        self, statement: Executable, params: Mapping[str, Any], *, deadline: float
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        deadline: float,
+        durable: bool = True,  # InnoDB's flush is global only
     ) -> int:
         return (await self._execute(statement, params, deadline, fetch=False))[1]

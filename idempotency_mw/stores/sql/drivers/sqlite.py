@@ -89,7 +89,8 @@ class SQLiteDriver:
     ``synchronous=FULL``, or outside WAL) run in one worker thread, as does a read that finds
     the file locked; there a connection waits for the lock, but only until the call's
     deadline: a statement that could not run in time never runs later. In WAL with
-    ``synchronous=NORMAL`` a commit only appends to the WAL, and runs on the loop too.
+    ``synchronous=NORMAL`` a commit only appends to the WAL, and runs on the loop too, as does
+    any write with ``durable=False`` in WAL: the loop's connection is ``NORMAL`` there.
     Connections are opened in the thread, and a WAL checkpoint runs there every
     :data:`CHECKPOINT_EVERY` changes, statements waiting for it (a few milliseconds) so that
     the WAL restarts and stays small; the first commit after it, which syncs the restarted
@@ -122,21 +123,25 @@ class SQLiteDriver:
             self._worker_of_now = _Worker(self._connect)
         return self._worker_of_now
 
-    def _connect(self, busy_seconds: float) -> sqlite3.Connection:
+    def _connect(
+        self, busy_seconds: float, synchronous: Synchronous | None = None
+    ) -> sqlite3.Connection:
         connection = sqlite3.connect(
             self._path, timeout=0, isolation_level=None, check_same_thread=False
         )
         _busy_wait(connection, busy_seconds)
         if self._wal:
             connection.execute("PRAGMA journal_mode=WAL")
-        connection.execute(f"PRAGMA synchronous={self._synchronous}")
+        connection.execute(f"PRAGMA synchronous={synchronous or self._synchronous}")
         return connection
 
     async def _on_loop(self, deadline: float) -> sqlite3.Connection:
         if self._loop_connection is None:
 
             def connect(seconds: float) -> sqlite3.Connection:
-                connection = self._connect(seconds)
+                # Its writes are those that need not wait for the disk: in WAL, NORMAL (the
+                # durable ones run in the thread, whose connection syncs the WAL they follow).
+                connection = self._connect(seconds, "NORMAL" if self._wal else None)
                 _busy_wait(connection, 0)
                 # Checkpoints write to disk: the worker thread runs them, never the event loop.
                 connection.execute("PRAGMA wal_autocheckpoint=0")
@@ -150,12 +155,13 @@ class SQLiteDriver:
         return self._loop_connection
 
     async def _execute(
-        self, statement: Executable, params: Mapping[str, Any], deadline: float
+        self, statement: Executable, params: Mapping[str, Any], deadline: float, durable: bool
     ) -> tuple[Rows, int]:
         compiled = self._compile(statement)
         args = compiled.args(params)
         result: tuple[Rows, int] | None = None
-        if self._wal_state == "idle" and not (compiled.writes and self._writes_wait_for_disk):
+        waits_for_disk = self._writes_wait_for_disk and (durable or not self._wal)
+        if self._wal_state == "idle" and not (compiled.writes and waits_for_disk):
             try:
                 cursor = (await self._on_loop(deadline)).execute(compiled.sql, args)
                 result = cursor.fetchall(), cursor.rowcount
@@ -178,14 +184,24 @@ class SQLiteDriver:
         return result
 
     async def fetch(
-        self, statement: Executable, params: Mapping[str, Any], *, deadline: float
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        deadline: float,
+        durable: bool = True,
     ) -> Rows:
-        return (await self._execute(statement, params, deadline))[0]
+        return (await self._execute(statement, params, deadline, durable))[0]
 
     async def change(
-        self, statement: Executable, params: Mapping[str, Any], *, deadline: float
+        self,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        deadline: float,
+        durable: bool = True,
     ) -> int:
-        return (await self._execute(statement, params, deadline))[1]
+        return (await self._execute(statement, params, deadline, durable))[1]
 
     def _changed(self) -> None:
         self._changes += 1
