@@ -130,11 +130,14 @@ class FlakyStore(SQLStore):
         ttl: float,
         lease: float,
         binding: str = "",
+        durable: bool = True,
     ) -> Claim:
         if self.failures:
             self.failures -= 1
             raise StoreError("database unreachable")
-        return await super().claim(scope, key, fingerprint, ttl=ttl, lease=lease, binding=binding)
+        return await super().claim(
+            scope, key, fingerprint, ttl=ttl, lease=lease, binding=binding, durable=durable
+        )
 
 
 @pytest.mark.anyio
