@@ -149,7 +149,9 @@ async def side_by_side(
 
 async def main_async(args: argparse.Namespace) -> str:
     directory = Path(tempfile.mkdtemp(prefix="bench-fenced-"))
-    setups = [("SQLite (WAL), store on the same file", sqlite_url(directory), None)]
+    setups: list[tuple[str, str, str | None]] = [
+        ("SQLite (WAL), store on the same file", sqlite_url(directory), None)
+    ]
     if server_reachable(POSTGRESQL_URL):
         setups.append(("PostgreSQL, store on the same database", POSTGRESQL_URL, None))
         if server_reachable(REDIS_URL):

@@ -43,6 +43,7 @@ from benchmarks.common import (
     wipe_redis,
 )
 from idempotency_mw import IdempotencyMiddleware, RedisStore, SQLStore, Store
+from idempotency_mw.client.mcp import key_meta
 from idempotency_mw.mcp import IdempotentTools
 from idempotency_mw.testing import MemoryStore
 
@@ -101,7 +102,7 @@ async def measure(store: Store, n: int, rounds: int, warmup: int) -> dict[str, S
         kinds: dict[str, Callable[[], Awaitable[object]]] = {
             "tool": lambda: client.call_tool("create_ticket", arguments),
             "tool+key": lambda: client.call_tool(
-                "create_ticket", arguments, meta={"idempotencyKey": uuid.uuid4().hex}
+                "create_ticket", arguments, meta=key_meta(uuid.uuid4().hex)
             ),
             "http": lambda: call(app, "/tickets", BODY),
             "http+key": lambda: call(app, "/tickets", BODY, key=uuid.uuid4().hex),

@@ -15,9 +15,9 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
-from typing import Any, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 
 import anyio.to_thread
 
@@ -69,6 +69,20 @@ class BytesCodec:
 
     def decode(self, data: bytes) -> Any:
         return data
+
+
+class Decorator(Protocol):
+    """What ``IdempotentFunctions(...)(key=...)`` returns: a decorator that keeps the
+    function's parameters and makes it async, awaiting to the function's result (an async
+    function's, too)."""
+
+    @overload
+    def __call__(
+        self, fn: Callable[P, Coroutine[Any, Any, R]]
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    @overload
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]: ...
 
 
 class KeyReused(IdempotencyError):
@@ -160,7 +174,7 @@ class IdempotentFunctions:
         key: Callable[..., str],
         fingerprint: Callable[..., str] | None = None,
         name: str | None = None,
-    ) -> Callable[[Callable[P, Awaitable[R]] | Callable[P, R]], Callable[P, Awaitable[R]]]:
+    ) -> Decorator:
         """A decorator: each call of the function runs once per ``key``, fingerprinted by
         ``fingerprint`` (default: its arguments' canonical JSON) and named ``name`` (default:
         its module and qualified name). ``key`` and ``fingerprint`` are called with the
@@ -168,11 +182,11 @@ class IdempotentFunctions:
         they were passed. The decorated function is async, whether the function is async or
         sync."""
 
-        def decorate(fn: Callable[P, Awaitable[R]] | Callable[P, R]) -> Callable[P, Awaitable[R]]:
+        def decorate(fn: Callable[P, Any]) -> Callable[P, Coroutine[Any, Any, Any]]:
             signature = inspect.signature(fn)
 
             @functools.wraps(fn)
-            async def protected(*args: P.args, **kwargs: P.kwargs) -> R:
+            async def protected(*args: P.args, **kwargs: P.kwargs) -> Any:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
                 named = bound.arguments
@@ -181,15 +195,26 @@ class IdempotentFunctions:
 
             return protected
 
-        return decorate
+        # One implementation for both overloads (the function's result type is not used).
+        return cast(Decorator, decorate)
 
+    # key and fn are positional-only: fn's own arguments may have those names.
+    @overload
     async def run(
         self,
         key: str,
-        fn: Callable[..., Awaitable[R]] | Callable[..., R],
-        *args: Any,
-        **kwargs: Any,
-    ) -> R:
+        fn: Callable[P, Coroutine[Any, Any, R]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R: ...
+
+    @overload
+    async def run(
+        self, key: str, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> R: ...
+
+    async def run(self, key: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` once per ``key``: its result, or the first call's.
 
         Raises :class:`KeyReused`, :class:`StillRunning`, :class:`ResultNotReplayable`,
@@ -203,12 +228,12 @@ class IdempotentFunctions:
     async def _run(
         self,
         key: str,
-        fn: Callable[..., Awaitable[R]] | Callable[..., R],
+        fn: Callable[..., Any],
         args: Any,
         kwargs: Any,
         fingerprint: str | None,
         name: str | None,
-    ) -> R:
+    ) -> Any:
         name = name or f"{fn.__module__}.{fn.__qualname__}"
         digest = fingerprint or arguments_fingerprint(fn, args, kwargs)
         body = functools.partial(fn, *args, **kwargs)
@@ -219,7 +244,7 @@ class IdempotentFunctions:
             # A sync function runs in a worker thread; its store calls stay on the loop.
             work = functools.partial(anyio.to_thread.run_sync, body)
         meant = hashlib.sha256(f"{name}\0{digest}".encode()).hexdigest()
-        return cast(R, await self.call(key, meant, work, name=name))
+        return await self.call(key, meant, work, name=name)
 
     async def call(
         self, key: str, fingerprint: str, work: Callable[[], Awaitable[Any]], *, name: str

@@ -9,17 +9,19 @@ one row per run, by route and key). Every app answers ``GET /health``.
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 from litestar import Litestar, get, post
 from litestar import Request as LitestarRequest
 from litestar.middleware import DefineMiddleware
+from litestar.types import ASGIApp as LitestarASGIApp
 from pydantic import BaseModel
 from sqlalchemy import Column, Integer, MetaData, String, Table
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idempotency_mw import IdempotencyMiddleware, SQLStore, fence, idempotent
 from tests.reliability_app import Effects
@@ -180,19 +182,20 @@ _LITESTAR_ROUTES: dict[str, Any] = {"/public/*": {"required": False}}
 
 def litestar_wrapped() -> Any:
     """``IdempotencyMiddleware(Litestar([...]), ...)``."""
-    return IdempotencyMiddleware(
-        Litestar(_litestar_handlers()), store=_store(), required=True, routes=_LITESTAR_ROUTES
-    )
+    # Litestar types its ASGI callable with its own scope and event TypedDicts, Starlette's
+    # (the middleware's) with mappings: the same protocol, not the same types.
+    app = cast(ASGIApp, Litestar(_litestar_handlers()))
+    return IdempotencyMiddleware(app, store=_store(), required=True, routes=_LITESTAR_ROUTES)
 
 
 def litestar_defined() -> Any:
     """Litestar's own ``DefineMiddleware(IdempotencyMiddleware, ...)``."""
+    # The middleware is a Starlette-typed ASGI app, Litestar wants its own types: see above.
+    middleware = cast(Callable[..., LitestarASGIApp], IdempotencyMiddleware)
     return Litestar(
         _litestar_handlers(),
         middleware=[
-            DefineMiddleware(
-                IdempotencyMiddleware, store=_store(), required=True, routes=_LITESTAR_ROUTES
-            )
+            DefineMiddleware(middleware, store=_store(), required=True, routes=_LITESTAR_ROUTES)
         ],
     )
 

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import httpx
 import pytest
 from fastapi import Depends, FastAPI, HTTPException
-from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, func, select
+from sqlalchemy import (
+    Column,
+    CursorResult,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    func,
+    select,
+)
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -73,9 +83,12 @@ def ticket_service(store: Any, engine: AsyncEngine, **options: Any) -> FastAPI:
     ) -> dict[str, int]:
         await anyio.sleep(app.state.delay)
         async with db.begin():
-            ticket_id = (
-                await db.execute(tickets.insert().values(idem_key=key))
-            ).inserted_primary_key
+            # An INSERT gives a CursorResult (the session types execute() for any statement).
+            inserted = cast(
+                CursorResult[Any], await db.execute(tickets.insert().values(idem_key=key))
+            )
+            ticket_id = inserted.inserted_primary_key
+            assert ticket_id is not None  # an INSERT of one row has its key
             await fence(db)
         if then == "linger":
             await anyio.sleep(app.state.linger)

@@ -5,14 +5,14 @@ key's effect twice."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import httpx
 import pytest
 import redis.asyncio
 from fastapi import FastAPI
-from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
+from sqlalchemy import Column, CursorResult, Integer, MetaData, String, Table, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 from idempotency_mw import (
@@ -65,13 +65,18 @@ def order_service(store: Store, engine: AsyncEngine, **options: Any) -> FastAPI:
     async def create(key: str) -> dict[str, int]:
         await anyio.sleep(app.state.delay)
         async with AsyncSession(engine) as db, db.begin():
-            inserted = await db.execute(orders.insert().values(idem_key=key))
+            # An INSERT gives a CursorResult (the session types execute() for any statement).
+            inserted = cast(
+                CursorResult[Any], await db.execute(orders.insert().values(idem_key=key))
+            )
             try:
                 await fence(db)
             except ConfigurationError as exc:
                 app.state.problems.append(str(exc))
                 raise
-        return {"id": int(inserted.inserted_primary_key[0])}
+        primary_key = inserted.inserted_primary_key
+        assert primary_key is not None  # an INSERT of one row has its key
+        return {"id": int(primary_key[0])}
 
     return app
 

@@ -86,6 +86,16 @@ async def test_an_exception_releases_the_key_so_a_retry_runs(store: Store) -> No
     assert len(attempts) == 2
 
 
+async def test_run_passes_arguments_named_like_its_own(store: Store) -> None:
+    protect = IdempotentFunctions(store)
+
+    async def lookup(key: str, fn: str) -> str:
+        return f"{key}/{fn}"
+
+    assert await protect.run("k", lookup, key="a", fn="b") == "a/b"
+    assert await protect.run("k", lookup, "a", fn="b") == "a/b"
+
+
 async def test_concurrent_duplicates_run_once_and_wait_for_the_result(store: Store) -> None:
     protect = IdempotentFunctions(store, wait=5)
     runs: list[int] = []
@@ -306,4 +316,4 @@ def test_options_are_checked() -> None:
 
     for options in ({"scope": ""}, {"max_result_bytes": -1}, {"on_lease_lost": "ignore"}):
         with pytest.raises(ConfigurationError):
-            IdempotentFunctions(MemoryStore(), **options)  # type: ignore[arg-type]
+            IdempotentFunctions(MemoryStore(), **options)

@@ -14,6 +14,7 @@ from mcp.client.stdio import StdioServerParameters
 from example_app import mcp_demo
 from example_app.demo import DemoConfig, DemoSummary, serve
 from example_app.mcp_server import create_app
+from idempotency_mw.client.mcp import key_meta
 
 pytestmark = pytest.mark.anyio
 
@@ -27,10 +28,10 @@ async def test_create_ticket_over_streamable_http_once_per_key(
     async with serve(app) as port:
         url = f"http://127.0.0.1:{port}/mcp"
         async with Client(url) as client:
-            first = await client.call_tool("create_ticket", arguments, meta={"idempotencyKey": "k"})
+            first = await client.call_tool("create_ticket", arguments, meta=key_meta("k"))
             plain = await client.call_tool("create_ticket", arguments)  # no key: runs
         async with Client(url) as client:
-            again = await client.call_tool("create_ticket", arguments, meta={"idempotencyKey": "k"})
+            again = await client.call_tool("create_ticket", arguments, meta=key_meta("k"))
             listed = await client.call_tool("list_tickets", {})
     assert first.structured_content == {"id": 1, "title": "printer on fire", "client_ref": "T-1"}
     assert again.structured_content == first.structured_content
@@ -51,9 +52,7 @@ async def test_create_ticket_over_stdio(tmp_path: Path) -> None:
     for _ in range(2):
         async with Client(params) as client:
             results.append(
-                await client.call_tool(
-                    "create_ticket", {"title": "t"}, meta={"idempotencyKey": "s"}
-                )
+                await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("s"))
             )
     assert results[0].structured_content == results[1].structured_content
     assert results[0].structured_content == {"id": 1, "title": "t", "client_ref": None}

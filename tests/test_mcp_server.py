@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import anyio
 import pytest
@@ -16,12 +16,12 @@ from mcp.client.client import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
-from mcp_types import CallToolResult, TextContent
+from mcp_types import CallToolResult, RequestParamsMeta, TextContent
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw.client import IdempotencyKeyMismatch, RetryPolicy
-from idempotency_mw.client.mcp import IdempotentToolCaller
+from idempotency_mw.client.mcp import IdempotentToolCaller, key_meta
 from idempotency_mw.mcp import IDEMPOTENCY_ERROR, REPLAYED_META, IdempotentTools
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
@@ -48,10 +48,6 @@ def text(result: CallToolResult) -> str:
     return first.text
 
 
-def key(value: str) -> dict[str, Any]:
-    return {"idempotencyKey": value}
-
-
 @pytest.fixture
 def database(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'tools.db'}"
@@ -68,9 +64,9 @@ async def test_a_retry_in_the_same_session_gets_the_first_result(
     server: MCPServer, database: str
 ) -> None:
     async with Client(server) as client:
-        first = await client.call_tool("create_ticket", {"title": "t"}, meta=key("k1"))
-        again = await client.call_tool("create_ticket", {"title": "t"}, meta=key("k1"))
-        other = await client.call_tool("create_ticket", {"title": "t"}, meta=key("k2"))
+        first = await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("k1"))
+        again = await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("k1"))
+        other = await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("k2"))
     assert first.structured_content == again.structured_content == {"id": 1, "title": "t"}
     assert (again.meta or {}).get(REPLAYED_META) is True
     assert REPLAYED_META not in (first.meta or {})
@@ -82,9 +78,9 @@ async def test_a_retry_in_a_new_session_gets_the_first_result(
     server: MCPServer, database: str
 ) -> None:
     async with Client(server) as client:
-        first = await client.call_tool("create_ticket", {"title": "t"}, meta=key("k"))
+        first = await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("k"))
     async with Client(server) as client:
-        again = await client.call_tool("create_ticket", {"title": "t"}, meta=key("k"))
+        again = await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("k"))
     assert first.structured_content == again.structured_content
     assert await count(database, "create_ticket") == 1
 
@@ -93,11 +89,11 @@ async def test_the_same_key_with_other_arguments_is_a_jsonrpc_error(
     server: MCPServer, database: str
 ) -> None:
     async with Client(server) as client:
-        await client.call_tool("create_ticket", {"title": "t"}, meta=key("k"))
+        await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("k"))
         with pytest.raises(MCPError) as refused:
-            await client.call_tool("create_ticket", {"title": "other"}, meta=key("k"))
+            await client.call_tool("create_ticket", {"title": "other"}, meta=key_meta("k"))
         with pytest.raises(MCPError):
-            await client.call_tool("charge", {"order": "t"}, meta=key("k"))  # another tool
+            await client.call_tool("charge", {"order": "t"}, meta=key_meta("k"))  # another tool
     assert refused.value.code == IDEMPOTENCY_ERROR
     assert refused.value.data["type"] == "urn:idempotency-mw:problem:mismatch"
     assert "other" in refused.value.message or "different" in refused.value.message.lower()
@@ -107,7 +103,7 @@ async def test_the_same_key_with_other_arguments_is_a_jsonrpc_error(
 async def test_a_tool_error_is_recorded_like_any_result(server: MCPServer, database: str) -> None:
     async with Client(server) as client:
         results = [
-            await client.call_tool("charge", {"order": "o-1"}, meta=key("c")) for _ in range(2)
+            await client.call_tool("charge", {"order": "o-1"}, meta=key_meta("c")) for _ in range(2)
         ]
     assert all(result.is_error for result in results)
     assert text(results[0]) == text(results[1])
@@ -120,9 +116,11 @@ async def test_calls_without_a_key_and_unprotected_tools_are_untouched(
     async with Client(server) as client:
         for _ in range(2):
             await client.call_tool("create_ticket", {"title": "t"})
-            await client.call_tool("echo", {"text": "hi"}, meta=key("e"))
+            await client.call_tool("echo", {"text": "hi"}, meta=key_meta("e"))
+        # A key that is not a string, as a client without types may send it.
+        bad = cast(RequestParamsMeta, {"idempotencyKey": 7})
         with pytest.raises(MCPError, match="idempotencyKey"):
-            await client.call_tool("create_ticket", {"title": "t"}, meta={"idempotencyKey": 7})
+            await client.call_tool("create_ticket", {"title": "t"}, meta=bad)
     assert await count(database, "create_ticket") == 2
     assert await count(database, "echo") == 2
 
@@ -152,12 +150,12 @@ async def test_streamable_http_retries_in_the_same_and_a_new_session(
 ) -> None:
     async with serving(server, json_response=json_response) as url:
         async with Client(url) as client:
-            first = await client.call_tool("create_ticket", {"title": "t"}, meta=key("h"))
-            again = await client.call_tool("create_ticket", {"title": "t"}, meta=key("h"))
+            first = await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("h"))
+            again = await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("h"))
         async with Client(url) as client:
-            later = await client.call_tool("create_ticket", {"title": "t"}, meta=key("h"))
+            later = await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("h"))
             with pytest.raises(MCPError):
-                await client.call_tool("create_ticket", {"title": "x"}, meta=key("h"))
+                await client.call_tool("create_ticket", {"title": "x"}, meta=key_meta("h"))
     assert first.structured_content == again.structured_content == later.structured_content
     assert await count(database, "create_ticket") == 1
 
@@ -170,7 +168,9 @@ async def test_stdio_retries_in_a_new_server_process(database: str) -> None:
     results = []
     for _ in range(2):  # each session is a process of its own
         async with Client(params) as client:
-            results.append(await client.call_tool("create_ticket", {"title": "t"}, meta=key("s")))
+            results.append(
+                await client.call_tool("create_ticket", {"title": "t"}, meta=key_meta("s"))
+            )
     assert results[0].structured_content == results[1].structured_content == {"id": 1, "title": "t"}
     assert await count(database, "create_ticket") == 1
 
@@ -188,7 +188,7 @@ async def test_the_tool_caller_end_to_end(server: MCPServer, database: str, tmp_
         # The same operation's key sent again with other arguments: the server says no, final.
         with pytest.raises(IdempotencyKeyMismatch):
             await caller.client.send(op, "POST", "/tools/create_ticket", json={"title": "x"})
-        again = await session.call_tool("create_ticket", {"title": "t"}, meta=key(op.key))
+        again = await session.call_tool("create_ticket", {"title": "t"}, meta=key_meta(op.key))
     assert first.structured_content == again.structured_content == {"id": 1, "title": "t"}
     assert await count(database, "create_ticket") == 1
 
@@ -211,10 +211,10 @@ async def test_a_duplicate_while_the_first_runs_is_told_to_retry_later() -> None
     server = slow_server(runs)
     refused: list[MCPError] = []
     async with Client(server) as client, anyio.create_task_group() as group:
-        group.start_soon(partial(client.call_tool, "slow", {"title": "t"}, meta=key("p")))
+        group.start_soon(partial(client.call_tool, "slow", {"title": "t"}, meta=key_meta("p")))
         await anyio.sleep(0.2)
         with pytest.raises(MCPError) as caught:
-            await client.call_tool("slow", {"title": "t"}, meta=key("p"))
+            await client.call_tool("slow", {"title": "t"}, meta=key_meta("p"))
         refused.append(caught.value)
     (error,) = refused
     assert error.code == IDEMPOTENCY_ERROR
@@ -240,7 +240,7 @@ async def test_the_tool_caller_retries_a_call_in_progress_until_its_result(
         op = await caller.operation("slow", ref="S-1")
         # Another session runs the call under the operation's key: the caller finds it in
         # progress, retries after the server's retryAfter, and gets its result.
-        group.start_soon(partial(other.call_tool, "slow", {"title": "t"}, meta=key(op.key)))
+        group.start_soon(partial(other.call_tool, "slow", {"title": "t"}, meta=key_meta(op.key)))
         await anyio.sleep(0.2)
         result = await caller.send(op, {"title": "t"})
     assert text(result) == "done t"

@@ -361,7 +361,7 @@ def test_revision_0002_keeps_live_rows_both_ways(fresh_database: str) -> None:
         ),
     )
     assert main(["downgrade", "--url", url, "--revision", "0001_idempotency_records"]) == 0
-    downgraded = _on_connection(
+    downgraded: dict[str, int] = _on_connection(
         url,
         lambda conn: dict(
             conn.execute(

@@ -88,6 +88,6 @@ async def test_a_consumer_killed_before_its_ack_is_redelivered_and_the_effect_ha
         rows = await conn.execute(
             select(effects.c.message_id, func.count()).group_by(effects.c.message_id)
         )
-        counts = dict(rows.all())
+        counts: dict[str, int] = dict(rows.all())
     await engine.dispose()
     assert counts == {"m-1": 1, "m-2": 1, "m-3": 1}

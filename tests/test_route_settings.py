@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import fields
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from fastapi import FastAPI
@@ -51,8 +51,10 @@ BAD = [
 def test_a_bad_setting_is_refused_alike_everywhere(name: str, value: Any, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
         idempotent(**{name: value})
+    # A setting named at run time, as a route table read from a file gives it.
+    route = cast(RouteOptions, {name: value})
     with pytest.raises(ConfigurationError, match=message):
-        IdempotencyMiddleware(FastAPI(), store=MemoryStore(), routes={"/x": {name: value}})
+        IdempotencyMiddleware(FastAPI(), store=MemoryStore(), routes={"/x": route})
     with pytest.raises(ConfigurationError, match=message):
         IdempotencyMiddleware(FastAPI(), store=MemoryStore(), **{name: value})
 

@@ -15,12 +15,18 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
-from typing import Any, Protocol, Unpack
+from typing import Any, Protocol, Unpack, cast
 
 import anyio
 import httpx
 from mcp.shared.exceptions import MCPError
-from mcp_types import CONNECTION_CLOSED, INTERNAL_ERROR, REQUEST_TIMEOUT, CallToolResult
+from mcp_types import (
+    CONNECTION_CLOSED,
+    INTERNAL_ERROR,
+    REQUEST_TIMEOUT,
+    CallToolResult,
+    RequestParamsMeta,
+)
 
 from idempotency_mw.client._closing import AClosedOnExit
 from idempotency_mw.client.async_client import AsyncProbe, IdempotentClient
@@ -35,6 +41,14 @@ from idempotency_mw.exceptions import ConfigurationError, describe
 META_KEY = "idempotencyKey"
 #: The base URL of the requests :class:`ToolTransport` carries (never resolved).
 TOOLS_URL = "http://mcp.tools"
+
+
+def key_meta(key: str) -> RequestParamsMeta:
+    """The ``_meta`` of a ``tools/call`` that carries ``key``: ``call_tool(..., meta=...)``."""
+    # RequestParamsMeta is an open TypedDict (extra_items=Any), which type checkers do not
+    # all know yet: they would refuse its extra key.
+    return cast(RequestParamsMeta, {META_KEY: key})
+
 
 # The session could not be used, whether or not the call had reached the server.
 _BROKEN = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError)
@@ -141,7 +155,7 @@ class ToolTransport(httpx.AsyncBaseTransport):
                 name,
                 arguments or None,
                 read_timeout_seconds=timeout,
-                meta=None if key is None else {META_KEY: key},
+                meta=None if key is None else key_meta(key),
             )
         except MCPError as exc:
             lost = f"tools/call {name}: {exc}"
