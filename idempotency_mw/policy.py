@@ -61,6 +61,13 @@ def fingerprint_mode(value: str) -> FingerprintMode:
     raise ConfigurationError(f"fingerprint must be 'bytes' or 'json', got {value!r}")
 
 
+def byte_count(value: int, name: str) -> int:
+    """A size in bytes, validated: an int, not negative."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{name} must be a number of bytes (0 or more), got {value!r}")
+    return value
+
+
 def _as_given(value: T) -> T:
     return value
 
@@ -92,6 +99,10 @@ class RoutePolicy:
     wait: float | None = field(default=None, metadata={_CHECK: _duration("wait", zero=True)})
     #: The caller's scope comes from the endpoint's dependency (``@idempotent(scope=...)``).
     scoped: bool | None = field(default=None, metadata={_CHECK: _as_given})
+    max_request_bytes: int | None = field(
+        default=None,
+        metadata={_CHECK: functools.partial(byte_count, name="max_request_bytes")},
+    )
 
     @classmethod
     def of(cls, given: Mapping[str, object]) -> RoutePolicy:
@@ -120,6 +131,7 @@ class Settings:
     release_statuses: frozenset[int]
     fingerprint: FingerprintMode
     wait: float
+    max_request_bytes: int
     scoped: bool = False
 
     @classmethod
@@ -141,6 +153,7 @@ class RouteOptions(TypedDict, total=False):
     release_statuses: Iterable[int]
     fingerprint: FingerprintMode
     wait: Duration
+    max_request_bytes: int
 
 
 def idempotent(
@@ -151,6 +164,7 @@ def idempotent(
     release_statuses: Iterable[int] | None = None,
     fingerprint: FingerprintMode | None = None,
     wait: Duration | None = None,
+    max_request_bytes: int | None = None,
     scope: object = None,
 ) -> Callable[[Endpoint], Endpoint]:
     """Per-route settings for the endpoint it decorates (put it below the route decorator).
@@ -162,6 +176,7 @@ def idempotent(
     is released instead of recorded (by default every answer below 500 is recorded);
     ``fingerprint``: ``"json"`` to compare JSON bodies by content, not bytes;
     ``wait``: how long a duplicate waits for the first request's outcome before 409;
+    ``max_request_bytes``: the largest keyed request body this route fingerprints (413 above);
     ``scope``: a FastAPI dependency (``Depends(current_user)``) whose value, a non-empty
     string, is the caller's scope of this route's keys; its own errors (a 401) are the app's
     answers, given before any key is claimed. The endpoint is then wrapped, so that FastAPI
