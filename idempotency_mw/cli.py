@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from idempotency_mw._version import __version__
 from idempotency_mw.admin import DEFAULT_REDIS_PREFIX, relative_time
 from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
-from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
+from idempotency_mw.exceptions import (
+    ConfigurationError,
+    SchemaError,
+    StoreError,
+    describe,
+    install_extra,
+)
 
 if TYPE_CHECKING:
     from idempotency_mw.admin import Lookup, RecordView, ReleaseResult, StoreStats
@@ -415,7 +421,7 @@ def _one_line(exc: BaseException) -> tuple[str, int]:
         extra = EXTRA_OF_MODULE.get(module)
         if extra is None:
             return describe(exc), 2
-        return f"this needs {module}: install idempotency-mw[{extra}]", 2
+        return f"this needs {module}: {install_extra(extra)}", 2
     if isinstance(exc, ConfigurationError | SchemaError):
         return str(exc), 2
     cause = exc.__cause__ if isinstance(exc, StoreError) and exc.__cause__ else exc

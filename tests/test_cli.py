@@ -416,7 +416,10 @@ def test_a_missing_driver_names_the_extra_to_install(
     name, *rest = command
     assert main([name, "--url", url, *rest]) == 2
     line = _one_line(capsys.readouterr().err)
-    assert line == f"idempotency-mw: this needs {module}: install idempotency-mw[{extra}]"
+    assert line == (
+        f"idempotency-mw: this needs {module}: install the [{extra}] extra "
+        f"(pip install 'idempotency-mw[{extra}]', or from a checkout: pip install -e '.[{extra}]')"
+    )
 
 
 @pytest.mark.parametrize("command", [["stats"], ["inspect", "k"], ["release", "k"]])
