@@ -89,8 +89,8 @@ def __getattr__(name: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] not in needs:
             raise
-        raise ImportError(
-            f"{name} needs {exc.name}: pip install 'idempotency-mw[{extra}]'"
-        ) from exc
+        from idempotency_mw.exceptions import install_extra
+
+        raise ImportError(f"{name} needs {exc.name}: {install_extra(extra)}") from exc
     globals()[name] = value
     return value

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from idempotency_mw.exceptions import ConfigurationError, StoreError, describe
+from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
 from idempotency_mw.records import RecordStatus
 
 if TYPE_CHECKING:
@@ -270,7 +270,34 @@ async def open_store(
         await store.aclose()
 
 
+@asynccontextmanager
+async def open_proof_table(url: str) -> AsyncIterator[ProofTable]:
+    """The fence() proof table of the database at ``url``, checked (a missing table is a
+    SchemaError naming ``migrate --proofs``); its engine is disposed afterwards."""
+    from sqlalchemy import inspect
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from idempotency_mw.proofs import PROOF_TABLE, ProofTable
+    from idempotency_mw.stores.sql import async_url
+
+    _refuse_a_missing_sqlite_file(url)
+    engine = create_async_engine(async_url(url))
+    try:
+        async with engine.connect() as connection:
+            present = await connection.run_sync(lambda conn: inspect(conn).has_table(PROOF_TABLE))
+        if not present:
+            raise SchemaError(
+                f"the table {PROOF_TABLE!r} does not exist: run `idempotency-mw migrate --proofs "
+                "--url <database url>` (or create it in your own Alembic project: the docs' "
+                "Migrations page)"
+            )
+        yield ProofTable(engine)
+    finally:
+        await engine.dispose()
+
+
 if TYPE_CHECKING:
+    from idempotency_mw.proofs import ProofTable
 
     class InspectableStore(Store, Inspectable, Protocol):
         """A store an operator can look into."""

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from idempotency_mw._version import __version__
 from idempotency_mw.admin import DEFAULT_REDIS_PREFIX, relative_time
 from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
-from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
+from idempotency_mw.exceptions import (
+    ConfigurationError,
+    SchemaError,
+    StoreError,
+    describe,
+    install_extra,
+)
+from idempotency_mw.records import RecordStatus
 
 if TYPE_CHECKING:
     from idempotency_mw.admin import Lookup, RecordView, ReleaseResult, StoreStats
@@ -102,17 +109,11 @@ def _purge(args: argparse.Namespace) -> int:
 
 
 async def _purged_proofs(url: str, batch_size: int, prefix: str) -> str:
-    from sqlalchemy.ext.asyncio import create_async_engine
-
+    from idempotency_mw.admin import open_proof_table
     from idempotency_mw.cleanup import purge
-    from idempotency_mw.proofs import ProofTable
-    from idempotency_mw.stores.sql import async_url
 
-    engine = create_async_engine(async_url(url))
-    try:
-        report = await purge(ProofTable(engine), batch_size=batch_size)
-    finally:
-        await engine.dispose()
+    async with open_proof_table(url) as table:
+        report = await purge(table, batch_size=batch_size)
     return f"purged {report.deleted} expired fence() proofs in {report.seconds:.3f} s"
 
 
@@ -197,14 +198,29 @@ def _release(args: argparse.Namespace) -> int:
                     "commit): releasing it would run it again; --force deletes it anyway"
                 )
             raise _Failed(
-                f"{described} is {result.record.status}, not in progress: its response is "
-                "what retries get; --force deletes it anyway (its next request then runs again)"
+                f"{described} is {result.record.status}, not in progress: "
+                f"{_SETTLED_MEANS[result.record.status]}; --force deletes it anyway (its next "
+                "request then runs again)"
             )
         case ReleaseOutcome.CHANGED:
             raise _Failed(
                 f"the record of {described} changed while it was being released "
                 "(a request settled or took it): inspect it and try again"
             )
+
+
+#: What a settled record means to a retry, said when a release of it is refused.
+_SETTLED_MEANS = {
+    RecordStatus.COMPLETED: "its response is what retries get",
+    RecordStatus.UNREPLAYABLE: (
+        "it ran, but its response was too large to record (retries get 409 not-replayable), "
+        "and a release would let a retry run it again"
+    ),
+    RecordStatus.COMMITTED: (
+        "its effect committed (a fenced commit, no response recorded), and a release would let "
+        "a retry run it again"
+    ),
+}
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -415,7 +431,7 @@ def _one_line(exc: BaseException) -> tuple[str, int]:
         extra = EXTRA_OF_MODULE.get(module)
         if extra is None:
             return describe(exc), 2
-        return f"this needs {module}: install idempotency-mw[{extra}]", 2
+        return f"this needs {module}: {install_extra(extra)}", 2
     if isinstance(exc, ConfigurationError | SchemaError):
         return str(exc), 2
     cause = exc.__cause__ if isinstance(exc, StoreError) and exc.__cause__ else exc

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+def install_extra(extra: str) -> str:
+    """How to install one of this package's extras, from an index or from a checkout."""
+    return (
+        f"install the [{extra}] extra (pip install 'idempotency-mw[{extra}]', "
+        f"or from a checkout: pip install -e '.[{extra}]')"
+    )
+
+
 class IdempotencyError(Exception):
     """Base class of every error raised by idempotency-mw."""
 

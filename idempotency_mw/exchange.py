@@ -119,7 +119,7 @@ class Exchange:
         if (
             declared.isascii()
             and declared.isdigit()
-            and (len(declared) > 18 or int(declared) > options.max_request_bytes)
+            and (len(declared) > 18 or int(declared) > self.settings.max_request_bytes)
         ):
             await self._too_large()
             return
@@ -435,7 +435,7 @@ class Exchange:
                 return None
             chunk: bytes = message.get("body", b"")
             size += len(chunk)
-            if size > self.options.max_request_bytes:
+            if size > self.settings.max_request_bytes:
                 await self._too_large()
                 return None
             chunks.append(chunk)
@@ -446,5 +446,5 @@ class Exchange:
         await self._problem(
             Problem.TOO_LARGE,
             413,
-            f"Request bodies are limited to {self.options.max_request_bytes} bytes.",
+            f"Request bodies of this route are limited to {self.settings.max_request_bytes} bytes.",
         )

@@ -57,7 +57,6 @@ class Options:
     credential_headers: tuple[str, ...]
     credential_cookies: tuple[str, ...]
     fingerprint_headers: tuple[str, ...]
-    max_request_bytes: int
     max_response_bytes: int
     max_header_bytes: int
     store_server_errors: bool
@@ -81,7 +80,6 @@ def build_options(
     credential_headers: Iterable[str],
     credential_cookies: Iterable[str],
     fingerprint_headers: Iterable[str],
-    max_request_bytes: int,
     max_response_bytes: int,
     max_header_bytes: int,
     store_server_errors: bool,
@@ -98,7 +96,7 @@ def build_options(
 ) -> Options:
     """The options of :class:`~idempotency_mw.IdempotencyMiddleware`, validated: its
     constructor's keyword arguments (documented and given their defaults there), the route
-    settings among them (``ttl``, ``lease``, ... : the fields of
+    settings among them (``ttl``, ``lease``, ``max_request_bytes``, ... : the fields of
     :class:`~idempotency_mw.policy.RoutePolicy`) as ``route_defaults``."""
     if not isinstance(store, Store):
         raise ConfigurationError(f"store must implement the Store protocol, got {store!r}")
@@ -109,7 +107,7 @@ def build_options(
         )
     if mismatch_status not in (409, 422):
         raise ConfigurationError("mismatch_status must be 409 or 422")
-    if min(max_request_bytes, max_response_bytes, max_header_bytes, retry_after) < 0:
+    if min(max_response_bytes, max_header_bytes, retry_after) < 0:
         raise ConfigurationError("size limits and retry_after must not be negative")
     if on_lease_lost not in ("cancel", "continue"):
         raise ConfigurationError("on_lease_lost must be 'cancel' or 'continue'")
@@ -141,7 +139,6 @@ def build_options(
         credential_headers=credentials,
         credential_cookies=tuple(sorted(set(credential_cookies))),
         fingerprint_headers=fingerprinted,
-        max_request_bytes=max_request_bytes,
         max_response_bytes=max_response_bytes,
         max_header_bytes=max_header_bytes,
         store_server_errors=store_server_errors,

@@ -321,7 +321,10 @@ class _Panel:
         what = {
             "retry": "Send it again now, under its key, with the client's rules?",
             "confirmed": "Mark it confirmed: it took effect, and it is never sent again?",
-            "failed": "Mark it failed: it did not take effect, and it is never sent again?",
+            "failed": (
+                "Mark it failed: settled as refused (undo any effect it had yourself), and it "
+                "is never sent again?"
+            ),
         }[action]
         fields = {} if action == "retry" else {"note": ""}
         body = [

@@ -61,6 +61,13 @@ def fingerprint_mode(value: str) -> FingerprintMode:
     raise ConfigurationError(f"fingerprint must be 'bytes' or 'json', got {value!r}")
 
 
+def byte_count(value: int, name: str) -> int:
+    """A size in bytes, validated: an int, not negative."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{name} must be a number of bytes (0 or more), got {value!r}")
+    return value
+
+
 def _as_given(value: T) -> T:
     return value
 
@@ -104,6 +111,10 @@ class RoutePolicy:
     #: The endpoint commits its effect with ``fence()``: its claim and completion skip their
     #: own flush to disk (the fenced commit is the one that must last).
     fenced: bool | None = field(default=None, metadata={_CHECK: _flag("fenced")})
+    max_request_bytes: int | None = field(
+        default=None,
+        metadata={_CHECK: functools.partial(byte_count, name="max_request_bytes")},
+    )
 
     @classmethod
     def of(cls, given: Mapping[str, object]) -> RoutePolicy:
@@ -132,6 +143,7 @@ class Settings:
     release_statuses: frozenset[int]
     fingerprint: FingerprintMode
     wait: float
+    max_request_bytes: int
     scoped: bool = False
     fenced: bool = False
 
@@ -155,6 +167,7 @@ class RouteOptions(TypedDict, total=False):
     fingerprint: FingerprintMode
     wait: Duration
     fenced: bool
+    max_request_bytes: int
 
 
 def idempotent(
@@ -166,6 +179,7 @@ def idempotent(
     fingerprint: FingerprintMode | None = None,
     wait: Duration | None = None,
     fenced: bool | None = None,
+    max_request_bytes: int | None = None,
     scope: object = None,
 ) -> Callable[[Endpoint], Endpoint]:
     """Per-route settings for the endpoint it decorates (put it below the route decorator).
@@ -181,6 +195,7 @@ def idempotent(
     the completion then skip their own flush to disk where the store's database allows it
     (the fenced commit decides; a request that returns without ``fence()`` is recorded
     durably, and logged once);
+    ``max_request_bytes``: the largest keyed request body this route fingerprints (413 above);
     ``scope``: a FastAPI dependency (``Depends(current_user)``) whose value, a non-empty
     string, is the caller's scope of this route's keys; its own errors (a 401) are the app's
     answers, given before any key is claimed. The endpoint is then wrapped, so that FastAPI

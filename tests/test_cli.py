@@ -272,6 +272,19 @@ async def test_release_refuses_a_completed_record_unless_forced(
 
 
 @pytest.mark.anyio
+async def test_release_of_an_unreplayable_record_says_retries_get_no_response(
+    target: Target, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token = await claim(target.store, "too-large")
+    assert await target.store.complete("", "too-large", token, None, ttl=HOUR)
+    code, out, err = await target.run(capsys, "release", "too-large")
+    assert (code, out) == (1, "")
+    line = _one_line(err)
+    assert "is unreplayable, not in progress: it ran, but its response was too large" in line
+    assert "a release would let a retry run it again" in line
+
+
+@pytest.mark.anyio
 async def test_release_of_a_key_without_record_exits_1(
     target: Target, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -387,6 +400,15 @@ def test_a_missing_table_names_the_migrate_command(
     assert "idempotency-mw migrate --url" in line
 
 
+def test_purge_of_proofs_without_their_table_names_migrate_proofs(
+    database_without_table: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["purge", "--proofs", "--url", database_without_table]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "the table 'idempotency_proofs' does not exist" in line
+    assert "idempotency-mw migrate --proofs --url" in line
+
+
 def test_a_missing_sqlite_file_is_not_created(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -416,7 +438,10 @@ def test_a_missing_driver_names_the_extra_to_install(
     name, *rest = command
     assert main([name, "--url", url, *rest]) == 2
     line = _one_line(capsys.readouterr().err)
-    assert line == f"idempotency-mw: this needs {module}: install idempotency-mw[{extra}]"
+    assert line == (
+        f"idempotency-mw: this needs {module}: install the [{extra}] extra "
+        f"(pip install 'idempotency-mw[{extra}]', or from a checkout: pip install -e '.[{extra}]')"
+    )
 
 
 @pytest.mark.parametrize("command", [["stats"], ["inspect", "k"], ["release", "k"]])
@@ -544,6 +569,23 @@ async def test_release_refuses_a_fenced_claim_unless_forced(
     assert retry.outcome is ClaimOutcome.IN_PROGRESS  # still held, not run again
     code, shown = await sql_target.json(capsys, "release", "paying", "--force")
     assert (code, shown["outcome"]) == (0, "released")
+
+
+@pytest.mark.anyio
+async def test_release_of_a_committed_record_says_its_effect_committed(
+    sql_target: Target, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A fenced claim released (its handler failed after the commit) is settled as committed.
+    token = await fenced(sql_target, "paid", settle=False)
+    await sql_target.store.release("", "paid", token)
+    code, shown = await sql_target.json(capsys, "inspect", "paid")
+    assert (shown["status"], shown["response_status"]) == ("committed", None)
+    code, out, err = await sql_target.run(capsys, "release", "paid")
+    assert (code, out) == (1, "")
+    line = _one_line(err)
+    assert "is committed, not in progress: its effect committed" in line
+    assert "a release would let a retry run it again" in line
+    assert "response is" not in line  # there is none to replay
 
 
 # --- panel --------------------------------------------------------------------------------------

@@ -428,7 +428,11 @@ def test_open_journal_takes_a_path_a_database_url_or_a_redis_url(tmp_path: Path)
 
 
 def test_a_missing_database_driver_names_the_extra_to_install() -> None:
-    with pytest.raises(ConfigurationError, match=r"idempotency-mw\[client-mysql\]"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"install the \[client-mysql\] extra \(pip install 'idempotency-mw\[client-mysql\]', "
+        r"or from a checkout: pip install -e '\.\[client-mysql\]'\)",
+    ):
         SQLJournal("mysql+mysqldb://u@h/db")
 
 

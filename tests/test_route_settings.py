@@ -44,10 +44,12 @@ BAD = [
     ("release_statuses", [500], "release_statuses must be 4xx statuses"),
     ("fingerprint", "xml", "fingerprint must be 'bytes' or 'json'"),
     ("fenced", "yes", "fenced must be True or False"),
+    ("max_request_bytes", -1, "max_request_bytes must be a number of bytes"),
+    ("max_request_bytes", "1MB", "max_request_bytes must be a number of bytes"),
 ]
 
 
-@pytest.mark.parametrize(("name", "value", "message"), BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize(("name", "value", "message"), BAD, ids=[f"{b[0]}={b[1]}" for b in BAD])
 def test_a_bad_setting_is_refused_alike_everywhere(name: str, value: Any, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
         idempotent(**{name: value})

@@ -40,9 +40,10 @@ def test_a_store_without_its_extra_names_the_install_command(
         f"import sys; sys.modules[{missing!r}] = None\nfrom idempotency_mw import {store}"
     )
     assert result.returncode == 1
-    assert f"ImportError: {store} needs {missing}: pip install 'idempotency-mw[{extra}]'" in (
-        result.stderr
-    )
+    assert (
+        f"ImportError: {store} needs {missing}: install the [{extra}] extra "
+        f"(pip install 'idempotency-mw[{extra}]', or from a checkout: pip install -e '.[{extra}]')"
+    ) in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -69,7 +70,8 @@ def test_a_sql_store_without_its_driver_names_the_extra(
     )
     backend = url.partition(":")[0]
     assert result.stdout.strip() == (
-        f"{missing} SQLStore on {backend} needs {missing}: pip install 'idempotency-mw[{extra}]'"
+        f"{missing} SQLStore on {backend} needs {missing}: install the [{extra}] extra "
+        f"(pip install 'idempotency-mw[{extra}]', or from a checkout: pip install -e '.[{extra}]')"
     ), result.stderr
 
 

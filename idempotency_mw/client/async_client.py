@@ -123,7 +123,8 @@ class IdempotentClient(ClientBase[httpx.AsyncClient], AClosedOnExit):
     async def record(self, operation: Operation, state: OperationState) -> None:
         """Journal the outcome of ``operation`` when it was sent by other means under its key
         (an SDK call given ``extra_headers={"Idempotency-Key": operation.key}``):
-        ``confirmed`` once it took effect, ``failed`` once it did not. Left unrecorded, it stays
+        ``confirmed`` once it took effect, ``failed`` once the server's final answer refused it.
+        Left unrecorded, it stays
         ``pending`` (reconcile() skips it: the journal holds no request to re-send)."""
         await self.perform(self._protocol.record(operation, state))
 

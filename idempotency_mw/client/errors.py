@@ -86,5 +86,6 @@ class NeedsConfirmation(OutcomeUnknown):
 
 class NotSent(OperationError):
     """No attempt ever left the caller (connection refused, name resolution, pool full):
-    the operation did not take effect. The journal marks it ``failed``; sending it again is
+    the operation did not take effect (a ``failed`` that, unlike a final 4xx, nothing on the
+    server saw). The journal marks it ``failed``; sending it again is
     safe. The last attempt's exception is the ``__cause__``."""

@@ -53,7 +53,7 @@ class StepState(enum.StrEnum):
 
     NOT_RUN = "not_run"
     COMPLETED = "completed"  # took effect (and was not compensated)
-    FAILED = "failed"  # did not take effect: a final 4xx, or never sent
+    FAILED = "failed"  # refused by a final 4xx (not compensated), or never sent
     UNKNOWN = "unknown"  # could not be settled by the deadline: a person has to look
     COMPENSATED = "compensated"  # took effect, then its compensation did
     COMPENSATION_FAILED = "compensation_failed"  # its compensation kept failing: a person
@@ -152,8 +152,8 @@ class _Plan:
 
 
 def _saga(plan: _Plan) -> Steps[SagaOutcome]:
-    """Run (or resume) the saga: forward while steps take effect, then compensate in reverse
-    from the first step that did not."""
+    """Run (or resume) the saga: forward while steps take effect, then, from the first step
+    refused (or never sent), compensate the steps before it in reverse."""
     outcomes = [StepOutcome(step.name, StepState.NOT_RUN) for step in plan.steps]
 
     def ended(state: SagaState) -> SagaOutcome:

@@ -26,11 +26,13 @@ class OperationState(enum.StrEnum):
 
     ``pending`` → ``sent`` → ``confirmed`` | ``failed`` | ``unknown``. ``unknown`` (an
     attempt's outcome was lost) ends as ``confirmed`` or ``failed`` once a retry or
-    ``reconcile()`` gets the server's answer. ``failed`` means it did not take effect: a final
-    4xx, or no attempt ever left the caller. ``needs_confirmation``: its outcome is unknown and
-    re-sending it blindly is unsafe (the server may have forgotten the key, or never knew keys),
-    and no probe can look it up. ``needs_intervention``: a saga gave up on it (a step it could
-    not settle, a compensation that kept failing): a person has to look.
+    ``reconcile()`` gets the server's answer. ``failed``: the server refused it with a final
+    4xx (its settled answer, replayed to every retry; a handler that acted before refusing
+    owns undoing that), or no attempt ever left the caller. ``needs_confirmation``: its
+    outcome is unknown and re-sending it blindly is unsafe (the server may have forgotten the
+    key, or never knew keys), and no probe can look it up. ``needs_intervention``: a saga gave
+    up on it (a step it could not settle, a compensation that kept failing): a person has to
+    look.
     """
 
     PENDING = "pending"

@@ -38,7 +38,7 @@ from idempotency_mw._sqltypes import ExactString, LongBinary
 from idempotency_mw.client._closing import ClosedOnExit
 from idempotency_mw.client.journals.base import FIELDS, MUTABLE, from_row, to_row
 from idempotency_mw.client.values import JournalEntry, OperationState
-from idempotency_mw.exceptions import ConfigurationError, SchemaError
+from idempotency_mw.exceptions import ConfigurationError, SchemaError, install_extra
 
 # The client's journal table: the caller's, created on first use.
 journal_metadata = MetaData()
@@ -104,7 +104,7 @@ def journal_engine(url: str | URL, **options: Any) -> Engine:
         extra = _DRIVER_EXTRAS.get(backend, "client-mysql")
         raise ConfigurationError(
             f"a {backend} journal needs the driver {parsed.get_driver_name()}: "
-            f"pip install 'idempotency-mw[{extra}]'"
+            f"{install_extra(extra)}"
         ) from exc
 
 

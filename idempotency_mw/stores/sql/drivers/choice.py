@@ -8,7 +8,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.exceptions import ConfigurationError, install_extra
 from idempotency_mw.stores.sql.drivers.base import Driver
 from idempotency_mw.stores.sql.drivers.engine import SQLAlchemyDriver, engine_for
 from idempotency_mw.stores.sql.drivers.sqlite import Synchronous
@@ -101,7 +101,7 @@ def open_driver(
         if missing != name:
             raise
         extra = _EXTRAS.get(name)
-        how = f"pip install 'idempotency-mw[{extra}]'" if extra else f"pip install {name}"
+        how = install_extra(extra) if extra else f"pip install {name}"
         # Still a ModuleNotFoundError (which callers such as the CLI recognise), now saying
         # what to install.
         raise ModuleNotFoundError(f"SQLStore on {backend} needs {name}: {how}", name=name) from exc
