@@ -1,14 +1,15 @@
-"""The doors of a route: where a keyed request's claim is taken, and where its endpoint begins.
+"""The doors of a route: where a keyed request's endpoint begins.
 
-The middleware gives each route it guards doors, once. The route's door, on its ASGI app, is
-passed after every layer inside the middleware: a request an inner layer refuses (a 401, a 429)
-never touches the store. The key is claimed there, and a replay or a refusal found is answered
-by the middleware: the route does not run. A FastAPI route also gets the endpoint's door, on
-its endpoint function, passed after FastAPI's validation and the route's dependencies: only a
-request that passed it has begun, so only its answers are recorded; one refused before it (a
-validation error, a dependency's ``HTTPException``) releases its key, unless ``fence()`` marked
-an effect in a dependency. A route whose caller scope comes from a dependency
-(``@idempotent(scope=Depends(...))``) is claimed at the endpoint's door instead.
+The middleware claims a key before the app runs (so a replay or a refusal never runs it), and
+gives each route it guards one door, once, that tells when the endpoint began: a FastAPI
+route's on its endpoint function, passed after FastAPI's validation and the route's
+dependencies; a Starlette route's on its ASGI app, passed after every layer inside the
+middleware. Only a request that passed its door has begun, so only its answers are recorded;
+one refused before it (a validation error, a dependency's ``HTTPException``, an inner layer's
+401) releases its key, unless ``fence()`` marked an effect in a dependency. A route whose
+caller scope comes from a dependency (``@idempotent(scope=Depends(...))``) is claimed at its
+endpoint's door instead, where the scope is known; a replay or a refusal found there is
+answered by the middleware, and the endpoint does not run.
 """
 
 from __future__ import annotations
@@ -48,14 +49,16 @@ def doors_of(route: object) -> str | None:
         return doors
     if not (hasattr(route, "endpoint") and callable(getattr(route, "app", None))):
         return None
-    doors = ROUTE
-    dependant = getattr(route, "dependant", None)
-    if dependant is not None:
-        call = dependant.call
-        if not (inspect.isasyncgenfunction(call) or inspect.isgeneratorfunction(call)):
-            dependant.call = _endpoint_door(call)
-            doors = ENDPOINT
-    route.app = _route_door(route.app)  # type: ignore[attr-defined]
+    dependant: Any = getattr(route, "dependant", None)
+    call = None if dependant is None else dependant.call
+    if call is not None and not (
+        inspect.isasyncgenfunction(call) or inspect.isgeneratorfunction(call)
+    ):
+        dependant.call = _endpoint_door(call)
+        doors = ENDPOINT
+    else:
+        route.app = _route_door(route.app)  # type: ignore[attr-defined]
+        doors = ROUTE
     setattr(route, _DOOR, doors)
     return doors
 

@@ -10,9 +10,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
@@ -128,16 +128,15 @@ class ClaimEngine:
         an HTTP method and route template, or ``"CALL"`` and a function's name)."""
         return Call(self, request, method, route)
 
-    @asynccontextmanager
-    async def hold(
+    def hold(
         self,
         *,
         answered: Callable[[], bool],
         on_stopped: Callable[[], Awaitable[None]] | None = None,
-    ) -> AsyncIterator[Hold]:
-        """A block in which one call's work runs, its claim taken inside it (before the work,
-        or at an endpoint's door) with :meth:`Hold.claim`, its lease then kept until the block
-        ends.
+    ) -> Hold:
+        """A block (``async with``) in which one call's work runs, its claim taken inside it
+        (before the work, or at an endpoint's door) with :meth:`Hold.claim`, its lease then
+        kept until the block ends.
 
         When the lease cannot be proven any more and the engine cancels, the block is
         stopped, unless ``answered()`` (its answer began) or its effect committed (``fence``):
@@ -145,43 +144,72 @@ class ClaimEngine:
         quietly with ``hold.stopped`` set, once ``on_stopped`` answered its caller (before the
         renewal still in flight ends).
         """
-        hold = Hold(self, answered)
-        try:
-            async with hold.work:
-                yield hold
-        except TimeoutError:
-            if not (hold.stopped and hold.work.expired()):
-                raise  # the work's own
-            if on_stopped is not None:
-                await on_stopped()
-        finally:
-            await hold.end()
+        return Hold(self, answered, on_stopped)
 
 
 class Hold:
     """One call's work, and the claim it holds once taken (see :meth:`ClaimEngine.hold`)."""
 
-    def __init__(self, engine: ClaimEngine, answered: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        engine: ClaimEngine,
+        answered: Callable[[], bool],
+        on_stopped: Callable[[], Awaitable[None]] | None,
+    ) -> None:
         self.engine = engine
         self._answered = answered
+        self._on_stopped = on_stopped
         self.work = asyncio.timeout(None)  # expired at once when the lease is lost
         self.call: Call | None = None
         #: The claim ``fence()`` is handed, once acquired.
         self.claim_held: CurrentClaim | None = None
         #: The work was stopped because its lease could not be proven.
         self.stopped = False
-        self._keeping: asyncio.Future[None] | None = None
+        #: The lease keeper: started a third of the lease after the claim (most work ends
+        #: sooner), then a child of the block, awaited when it ends.
+        self._keeper: LeaseKeeper | None = None
+        self._starting: asyncio.TimerHandle | None = None
+        self._keeping: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Hold:
+        await self.work.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        try:
+            try:
+                await self.work.__aexit__(kind, error, traceback)
+            except TimeoutError:
+                if not (self.stopped and self.work.expired()):
+                    raise  # the work's own
+                if self._on_stopped is not None:
+                    await self._on_stopped()
+                return True
+            return False
+        finally:
+            await self.end()
 
     async def claim(self, call: Call) -> Claim:
-        """Claim ``call``'s key; once acquired, its lease is kept until the block ends.
+        """Claim ``call``'s key; once acquired, its lease is kept until the block ends (raises
+        as :meth:`keep` and :meth:`Call.claim` do)."""
+        claim = await call.claim()
+        if claim.outcome is ClaimOutcome.ACQUIRED:
+            await self.keep(call, claim)
+        return claim
+
+    async def keep(self, call: Call, claim: Claim) -> CurrentClaim:
+        """Keep the lease of ``claim``, acquired by ``call``, until the block ends: the claim
+        to hand ``fence()``.
 
         Raises :class:`LeaseUnproven` when the claim took so long that its lease is not proven
-        for long enough to start the work (nothing may run), and :class:`StoreError`.
+        for long enough to start the work (nothing may run).
         """
         self.call = call
-        claim = await call.claim()
-        if claim.outcome is not ClaimOutcome.ACQUIRED:
-            return claim
         assert claim.token is not None
         keeper = LeaseKeeper(
             lambda: call.renew(claim.token or ""),
@@ -206,8 +234,16 @@ class Hold:
             lease=request.lease,
         )
         call.emit(EventKind.CLAIM_STARTED)
-        self._keeping = asyncio.ensure_future(keeper.keep())  # awaited when the block ends
-        return claim
+        self._keeper = keeper
+        self._starting = asyncio.get_running_loop().call_later(
+            keeper.first_renewal_in(), self._start_keeping
+        )
+        return self.claim_held
+
+    def _start_keeping(self) -> None:
+        assert self._keeper is not None
+        self._starting = None
+        self._keeping = asyncio.ensure_future(self._keeper.keep())
 
     def _lost(self) -> None:
         call, claim = self.call, self.claim_held
@@ -237,8 +273,15 @@ class Hold:
 
     async def end(self) -> None:
         """Stop keeping the lease (the work ended), and wait for the keeper to end."""
+        if self._keeper is None:
+            return
+        self._keeper = None
+        if self._starting is not None:
+            self._starting.cancel()
         keeping, self._keeping = self._keeping, None
         if keeping is None:
+            assert self.call is not None
+            self.call.emit(EventKind.CLAIM_ENDED)
             return
         keeping.cancel()
         with anyio.CancelScope(shield=True):
@@ -262,10 +305,17 @@ class Call:
         self.request = request
         self.method = method
         self.route = route
-        #: A short hash of scope and key, for logs and events: raw keys are never logged.
-        self.key_id = key_hash(request.scope, request.key)
+        self._key_id = ""
         #: When (monotonic) the claim that decided the outcome was sent.
         self.claimed_at = 0.0
+
+    @property
+    def key_id(self) -> str:
+        """A short hash of scope and key, for logs and events (raw keys are never logged);
+        made once, when first used."""
+        if not self._key_id:
+            self._key_id = key_hash(self.request.scope, self.request.key)
+        return self._key_id
 
     def emit(self, kind: EventKind, **details: Any) -> None:
         """Report an event to the ``on_event`` hook, if there is one."""
@@ -305,7 +355,6 @@ class Call:
         """
         request, engine = self.request, self.engine
         deadline = engine.clock() + request.wait
-        polling = engine.settlements.polling
         polls = 0
         flush = self._flush(request.fenced)
         while True:
@@ -325,7 +374,7 @@ class Call:
             if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:
                 self.emit(_OUTCOME_EVENTS[claim.outcome])
                 return claim
-            pause = min(polling.delay(polls), deadline - claimed_at)
+            pause = min(engine.settlements.polling.delay(polls), deadline - claimed_at)
             await engine.settlements.wait(self.key_id, pause, since=claimed_at)
             polls += 1
 

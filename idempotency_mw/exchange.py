@@ -11,7 +11,7 @@ from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw._asgi import ReplayReceive, ResponseRecorder, send_replay
-from idempotency_mw.door import ENDPOINT
+from idempotency_mw.door import ENDPOINT, ROUTE
 from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, Hold, LeaseUnproven
 from idempotency_mw.exceptions import EffectCommitted, LeaseLost, StoreError
 from idempotency_mw.fence import (
@@ -27,7 +27,7 @@ from idempotency_mw.metrics import EventKind
 from idempotency_mw.options import Options
 from idempotency_mw.policy import Settings
 from idempotency_mw.problems import Problem, send_http_problem, send_problem
-from idempotency_mw.records import ClaimOutcome
+from idempotency_mw.records import Claim, ClaimOutcome
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -103,6 +103,7 @@ class Exchange:
         self._recorder: ResponseRecorder | None = None
         #: What the door decided: the claim to hand ``fence()``, or ``None`` once answered.
         self._entry: CurrentClaim | str | None = None
+        self._doors: str | None = None
         self._entered = False
         #: Whether the endpoint began (its effect may have happened).
         self._began = True
@@ -112,7 +113,9 @@ class Exchange:
 
     async def run(self, *, doors: str | None) -> None:
         """Handle the request; ``doors``: which doors its route has (see
-        :func:`~idempotency_mw.door.doors_of`), ``None`` to claim before the app runs."""
+        :func:`~idempotency_mw.door.doors_of`; ``None``: none, so whatever the app answers
+        counts as the endpoint's)."""
+        self._doors = doors
         options = self.options
         declared = self.headers.get("content-length", [""])[0]
         # ASCII digits only, and few enough of them for int(): the server may not have checked.
@@ -132,6 +135,26 @@ class Exchange:
         self._caller = caller
         self._binding = self._credential_binding()
         self._fingerprint = self._request_fingerprint(body)
+        scoped = self.settings.scoped
+        if scoped and doors != ENDPOINT:
+            logger.error(
+                "%s %s declares @idempotent(scope=...) but is not a FastAPI route the "
+                "middleware can claim at (the endpoint did not run)",
+                self.scope["method"],
+                self.template,
+            )
+            await self._scope_failed()
+            return
+        # Claimed now, so that a replay or a refusal never runs the app; the doors (where the
+        # route has them) tell whether the endpoint began. A caller scope from a dependency is
+        # known only at the endpoint's door: that claim waits for it.
+        call: Call | None = None
+        claimed: Claim | str | None = None
+        if not scoped:
+            call = await self._call_for(None)
+            claimed = None if call is None else await self._claimed(call)
+            if claimed is None:
+                return
         recorder = self._recorder = ResponseRecorder(
             self.send,
             max_body=options.max_response_bytes,
@@ -139,7 +162,6 @@ class Exchange:
             records_header=options.records_header,
             on_finish=self._settle,
         )
-        receive = ReplayReceive(body, self.receive)
 
         async def answer_stopped() -> None:
             if recorder.status is None:
@@ -155,22 +177,19 @@ class Exchange:
         ) as hold:
             self._hold = hold
             try:
-                if doors is not None:
-                    self._began = doors != ENDPOINT
-                    entrance = current_entrance.set(self)
-                    try:
-                        await self._run_app(receive, recorder)
-                    finally:
-                        current_entrance.reset(entrance)
-                else:
-                    entry = await self.enter(None, endpoint=False)
+                self._began = doors is None
+                entry = None
+                if call is not None and claimed is not None:
+                    entry = await self._kept(call, claimed)
                     if entry is None:
                         return
-                    reset = current_claim.set(entry)
-                    try:
-                        await self._run_app(receive, recorder)
-                    finally:
-                        current_claim.reset(reset)
+                reset = current_claim.set(entry)
+                entrance = current_entrance.set(None if doors is None else self)
+                try:
+                    await self._run_app(ReplayReceive(body, self.receive), recorder)
+                finally:
+                    current_entrance.reset(entrance)
+                    current_claim.reset(reset)
             finally:
                 if not hold.stopped:
                     await self._settle(recorder)
@@ -201,17 +220,24 @@ class Exchange:
             )
 
     async def enter(self, caller_scope: object, *, endpoint: bool) -> CurrentClaim | str | None:
-        """Claim the key at a door (or before the app): see
-        :class:`~idempotency_mw.fence.Entrance`."""
-        if endpoint:
+        """A door passed: see :class:`~idempotency_mw.fence.Entrance`. The endpoint began at
+        the endpoint's door, or at the route's door of a route without one."""
+        if endpoint or self._doors == ROUTE:
             self._began = True
         if self._entered:
-            return self._entry  # the key is claimed once, at the first door that can
+            return self._entry  # the key is claimed once
         if self.settings.scoped and not endpoint:
             return AT_THE_ENDPOINT
         self._entered = True
-        hold = self._hold
-        assert hold is not None
+        call = await self._call_for(caller_scope)
+        claimed = None if call is None else await self._claimed(call)
+        if call is None or claimed is None:
+            return None
+        return await self._kept(call, claimed)
+
+    async def _call_for(self, caller_scope: object) -> Call | None:
+        """The key's way through the engine in the caller's scope (``caller_scope``: the scope
+        dependency's value, if any), or ``None`` when the scope is unusable (answered)."""
         caller, binding = self._caller, self._binding
         if caller_scope is not None:
             if not isinstance(caller_scope, str) or not caller_scope:
@@ -234,7 +260,7 @@ class Exchange:
             )
             await self._scope_failed()
             return None
-        call = self.engine.call(
+        return self.engine.call(
             ClaimRequest(
                 caller,
                 self.key,
@@ -248,21 +274,13 @@ class Exchange:
             method=self.scope["method"],
             route=self.template,
         )
-        self._entry = await self._claim(hold, call)
-        return self._entry
 
-    async def _claim(self, hold: Hold, call: Call) -> CurrentClaim | str | None:
+    async def _claimed(self, call: Call) -> Claim | str | None:
+        """``call``'s claim when acquired; :data:`UNPROTECTED` when the store failed and the
+        request runs unprotected (``fail_open``); ``None`` once answered (a replay, a
+        refusal, the store unavailable)."""
         try:
-            claim = await hold.claim(call)
-        except LeaseUnproven:
-            # A claim so slow that its lease may already be another's: run nothing.
-            await self._problem(
-                Problem.LEASE_LOST,
-                503,
-                "The idempotency store could not confirm this request holds its key; "
-                "nothing ran. Retry with the same key.",
-            )
-            return None
+            claim = await call.claim()
         except StoreError as exc:
             if self.options.fail_open:
                 logger.warning(
@@ -280,7 +298,7 @@ class Exchange:
             )
             return None
         if claim.outcome is ClaimOutcome.ACQUIRED:
-            return hold.claim_held
+            return claim
         if claim.outcome is ClaimOutcome.REPLAY:
             assert claim.response is not None
             await send_replay(self.send, claim.response)
@@ -290,6 +308,27 @@ class Exchange:
             status = self.options.mismatch_status
         await self._problem(problem, status, detail)
         return None
+
+    async def _kept(self, call: Call, claimed: Claim | str) -> CurrentClaim | str | None:
+        """The claim the request goes on with, its lease now kept by the request's hold (or
+        :data:`UNPROTECTED`); ``None`` once answered."""
+        self._entered = True
+        if isinstance(claimed, str):
+            self._entry = claimed
+            return claimed
+        assert self._hold is not None
+        try:
+            self._entry = await self._hold.keep(call, claimed)
+        except LeaseUnproven:
+            # A claim so slow that its lease may already be another's: run nothing.
+            await self._problem(
+                Problem.LEASE_LOST,
+                503,
+                "The idempotency store could not confirm this request holds its key; "
+                "nothing ran. Retry with the same key.",
+            )
+            return None
+        return self._entry
 
     async def _send_from_app(self, message: Message) -> None:
         """The app's ``send``: untouched before the door, recorded behind it, dropped once

@@ -48,7 +48,6 @@ class LeaseKeeper:
         self._outlive = outlive
         self._clock = clock
         self._sleep = sleep
-        self._retry = Backoff(max(0.05, lease / 20), lease / 3, jitter=0.5)
         self.proven_until = claimed_at + lease
         self.lost = False
 
@@ -62,9 +61,13 @@ class LeaseKeeper:
             return True
         return await self._renew_once() is True
 
+    def first_renewal_in(self) -> float:
+        """Seconds until the first renewal is due: a third of the lease after the claim."""
+        return max(0.0, self.proven_until - self._lease * 2 / 3 - self._clock())
+
     async def keep(self) -> None:
         """Renew every third of the lease until cancelled (the work ended)."""
-        await self._sleep(max(0.0, self.proven_until - self._lease * 2 / 3 - self._clock()))
+        await self._sleep(self.first_renewal_in())
         failures = 0
         while True:
             owned = await self._renewal_within_proof()
@@ -73,7 +76,8 @@ class LeaseKeeper:
                 self._lose()
                 return
             if owned is None:
-                await self._sleep(self._retry.delay(failures))
+                retry = Backoff(max(0.05, self._lease / 20), self._lease / 3, jitter=0.5)
+                await self._sleep(retry.delay(failures))
                 failures += 1
             else:
                 failures = 0
