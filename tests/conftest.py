@@ -27,10 +27,10 @@ from idempotency_mw.client import journal_table, sync_url
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import metadata
 from idempotency_mw.testing import MemoryStore
-from tests.client_support import FakeTime, Server, sqlite_store_at
-from tests.faults import PostgreSQLServer, RedisServer, StoreServer
-from tests.redis_servers import RedisCluster, RedisSentinel
-from tests.scratch import (
+from tests.support.client_support import FakeTime, Server, sqlite_store_at
+from tests.support.faults import PostgreSQLServer, RedisServer, StoreServer
+from tests.support.redis_servers import RedisCluster, RedisSentinel
+from tests.support.scratch import (
     create_run_databases,
     drop_run_databases,
     run_database_url,
@@ -298,8 +298,9 @@ async def _redis_store(how: str, request: pytest.FixtureRequest) -> AsyncIterato
 def store(fake_time: FakeTime) -> MemoryStore:
     """An empty MemoryStore on the test's fake clock, for tests of the middleware's behaviour.
 
-    The contract suite (``tests/test_store_contract.py``) proves that every store agrees with
-    it; leases and TTLs move when the test moves ``fake_time.now``, so they need no sleeps.
+    The contract suite (``tests/contract/test_store_contract.py``) proves that every store
+    agrees with it; leases and TTLs move when the test moves ``fake_time.now``, so they need no
+    sleeps.
     """
     return MemoryStore(clock=fake_time.clock)
 
@@ -355,7 +356,7 @@ def own_store(request: pytest.FixtureRequest) -> StoreServer:
     return server
 
 
-# --- The client's tests (tests/client_support.py holds what they build on) -------------------
+# --- The client's tests (tests/support/client_support.py holds what they build on) --------
 
 
 @pytest.fixture

@@ -1,0 +1,229 @@
+"""Every ```python block of the README and the docs runs as written, from an installed wheel.
+
+The package is built into a wheel once per session and installed, with the extras the blocks
+use, into a fresh virtual environment; the checkout is never on its path. Each page's blocks
+then run in order in one process there (a block may build on the blocks before it on its page),
+in an empty folder, so a block that imports ``example_app`` or forgets to make its table fails.
+Top-level ``await`` runs on an event loop. A block marked ``not run (why)`` or ``file PATH``
+(a file another test runs, such as an Alembic env.py) is left out. The site builds strictly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MARIADB_URL, POSTGRESQL_URL, REDIS_URL
+from tests.support.faults import free_port
+from tests.support.readme import ROOT, Block, blocks, commands, marked, pages
+
+#: The extras the blocks need, and the framework and server the package leaves to its user.
+EXTRAS = "postgresql,mysql,redis,client,prometheus,otel,mcp,example"
+#: What pages use beside the package: the SDKs whose calls they show a key for.
+PAGE_PACKAGES = ("openai", "anthropic")
+RUFF = Path(sys.executable).parent / "ruff"
+MKDOCS = Path(sys.executable).parent / "mkdocs"
+
+#: Runs the page's blocks (JSON on stdin) in one namespace; the first that fails ends it.
+RUNNER = """
+import ast, asyncio, json, sys, traceback
+namespace = {"__name__": "__docs__"}
+for block in json.load(sys.stdin):
+    try:
+        code = compile(block["text"], block["where"], "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        result = eval(code, namespace)
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(f"the block at {block['where']} failed")
+"""
+
+
+def _skipped(block: Block) -> bool:
+    return block.marker is not None and block.marker.startswith(("not run", "file "))
+
+
+def _where(page: Path, block: Block) -> str:
+    return f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page.name}:{block.line}"
+
+
+PAGES = [page for page in pages() if any(b.language == "python" for b in blocks(page))]
+PYTHON_BLOCKS = [
+    (page, block) for page in PAGES for block in blocks(page) if block.language == "python"
+]
+
+
+def _run(
+    args: list[str],
+    *,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    stdin: str | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    """Run a command to its end; its output as text (the caller checks its exit code)."""
+    return subprocess.run(
+        args,
+        input=stdin,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _environment(**extra: str) -> dict[str, str]:
+    """This process's environment without PYTHONPATH (which would put the checkout first)."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **extra}
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The python of a fresh venv holding the package from a wheel built of this checkout."""
+    where = tmp_path_factory.mktemp("wheel")
+    built = _run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(where), "."]
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = where.glob("idempotency_mw-*.whl")
+    env_dir = where / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--quiet", f"{wheel}[{EXTRAS}]", *PAGE_PACKAGES]
+    installing = _run(pip, env=_environment(), timeout=600)
+    assert installing.returncode == 0, installing.stdout + installing.stderr
+    return python
+
+
+def run_page(python: Path, page: Path, folder: Path) -> subprocess.CompletedProcess[str]:
+    """Run a page's blocks in order with the venv's python (isolated: no PYTHONPATH, no cwd)."""
+    runnable = [
+        {"where": _where(page, block), "text": block.text}
+        for block in blocks(page)
+        if block.language == "python" and not _skipped(block)
+    ]
+    # Blocks that need a server read these: the run's own databases, never a shared one.
+    env = _environment(POSTGRESQL_URL=POSTGRESQL_URL, MARIADB_URL=MARIADB_URL, REDIS_URL=REDIS_URL)
+    return _run([str(python), "-I", "-c", RUNNER], cwd=folder, env=env, stdin=json.dumps(runnable))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_the_python_blocks_of_a_page_run_from_the_wheel(
+    installed: Path, page: Path, tmp_path: Path
+) -> None:
+    result = run_page(installed, page, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_package_comes_from_the_wheel_not_the_checkout(installed: Path, tmp_path: Path) -> None:
+    """A block that imports the checkout's example_app fails; the package is the venv's."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nimport idempotency_mw\n\nprint(idempotency_mw.__file__)\n```\n\n"
+        "```python\nimport example_app\n```\n"
+    )
+    result = run_page(installed, page, tmp_path)
+    assert result.returncode != 0
+    assert "ModuleNotFoundError: No module named 'example_app'" in result.stderr
+    assert "page.md:8 failed" in result.stderr
+    assert str(installed.parent.parent) in result.stdout
+    assert str(ROOT) not in result.stdout
+
+
+def _wait_for(port: int, server: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"uvicorn did not listen on {port} (exit code {server.poll()})")
+
+
+def test_the_readme_quick_start_runs_as_written(installed: Path, tmp_path: Path) -> None:
+    """app.py and the commands of the README's quick start, typed one after the other: the
+    second request is the first one's replay. Only the port differs (8000 may be taken)."""
+    (tmp_path / "app.py").write_text(marked("quick start app.py").text)
+    script = marked("commands quick start").text.replace("\\\n", " ")
+    lines = [line.strip() for line in script.splitlines() if line.strip()]
+    port = free_port()
+    env = _environment(PATH=f"{installed.parent}{os.pathsep}{os.environ['PATH']}")
+    server: subprocess.Popen[bytes] | None = None
+    answers: list[str] = []
+    try:
+        for line in lines:
+            if line == "uvicorn app:app &":
+                server = subprocess.Popen(
+                    [str(installed.parent / "uvicorn"), "app:app", "--port", str(port)],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                _wait_for(port, server)
+                continue
+            command = shlex.split(line.replace("localhost:8000", f"127.0.0.1:{port}"))
+            result = _run(command, cwd=tmp_path, env=env, timeout=120)
+            assert result.returncode == 0, f"{line}\n{result.stdout}{result.stderr}"
+            answers.append(result.stdout)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(10)
+    first, again = answers[-2:]
+    assert first.startswith("HTTP/1.1 201")
+    assert "idempotent-replayed: true" not in first.lower()
+    assert again.startswith("HTTP/1.1 201")
+    assert "idempotent-replayed: true" in again.lower()
+    assert first.split("\n\n")[1] == again.split("\n\n")[1]  # the same body
+
+
+def test_the_readme_install_from_a_wheel_works_as_written(tmp_path: Path) -> None:
+    """The README's wheel lines, with the checkout's path for /path/to/idempotency-mw, in a
+    fresh venv: then the package and the framework import (the editable line is CI's own)."""
+    lines = commands(marked("commands install"))
+    wheel_lines = [line for line in lines if " -e " not in line]
+    assert len(wheel_lines) == 3, lines
+    venv.create(tmp_path / "venv", with_pip=True)
+    bin_dir = tmp_path / "venv" / "bin"
+    env = _environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for line in wheel_lines:
+        command = line.split("  #")[0].replace("/path/to/idempotency-mw", str(ROOT))
+        result = _run(["bash", "-c", command], cwd=tmp_path, env=env, timeout=600)
+        assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
+    check = (
+        "import fastapi, uvicorn, sqlalchemy; from idempotency_mw import SQLStore; print(SQLStore)"
+    )
+    result = _run([str(bin_dir / "python"), "-I", "-c", check], cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "dist").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("page", "block"), PYTHON_BLOCKS, ids=[_where(page, block) for page, block in PYTHON_BLOCKS]
+)
+def test_a_python_block_is_in_ruff_format(page: Path, block: Block) -> None:
+    ruff = [str(RUFF), "format", "--diff", "--stdin-filename", "docs_block.py", "-"]
+    result = _run(ruff, stdin=block.text, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    result = _run([str(MKDOCS), "build", "--strict", "--site-dir", str(tmp_path / "site")])
+    assert result.returncode == 0, result.stderr
+    reference = (tmp_path / "site" / "reference" / "index.html").read_text()
+    assert reference.count("SQLStore") > 1
+    assert ":class:" not in reference  # the docstrings' Sphinx roles are shown as code

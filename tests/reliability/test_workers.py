@@ -1,0 +1,192 @@
+"""Several uvicorn worker processes sharing one store: one key's burst runs the handler once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from idempotency_mw.stores.sql import async_url
+from tests.conftest import (
+    REDIS_URL,
+    SERVER_DATABASES,
+    fresh_sql_store,
+    require_server,
+)
+from tests.support.faults import ServerProcess
+from tests.support.reliability_app import Effects, fenced_effects
+
+pytestmark = pytest.mark.anyio
+
+WORKERS = 3
+BURST = 30
+
+
+@pytest.fixture(params=["postgresql", "mariadb", "redis", "sqlite"])
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "redis":
+        require_server(REDIS_URL)
+        return REDIS_URL
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'i.db'}"
+    else:
+        url = SERVER_DATABASES[request.param]
+        require_server(url)
+    await (await fresh_sql_store(url)).aclose()
+    return url
+
+
+@contextmanager
+def running_workers(
+    store_url: str, tmp_path: Path, count: int, **settings: str
+) -> Iterator[list[ServerProcess]]:
+    env = {
+        "RELIABILITY_STORE": store_url,
+        "RELIABILITY_REDIS_PREFIX": f"test-workers-{uuid.uuid4().hex}:",
+        "RELIABILITY_EFFECTS": str(tmp_path / "effects.db"),
+        **settings,
+    }
+    Effects(env["RELIABILITY_EFFECTS"])
+    servers = [ServerProcess("tests.support.reliability_app:create_app", env) for _ in range(count)]
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def workers(store_url: str, tmp_path: Path) -> Iterator[list[ServerProcess]]:
+    with running_workers(store_url, tmp_path, WORKERS, RELIABILITY_DELAY="0.1") as servers:
+        yield servers
+
+
+async def test_a_burst_across_worker_processes_runs_once(
+    workers: list[ServerProcess], tmp_path: Path
+) -> None:
+    key = f"burst-{uuid.uuid4().hex}"
+    answers: list[httpx.Response] = []
+
+    async def post(client: httpx.AsyncClient, server: ServerProcess) -> None:
+        answers.append(
+            await client.post(
+                server.url + "/work", content=b"same", headers={"Idempotency-Key": key}
+            )
+        )
+
+    async with httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        for index in range(BURST):
+            group.start_soon(post, client, workers[index % WORKERS])
+    effects = Effects(tmp_path / "effects.db")
+    assert effects.count(key) == 1
+    assert len({response.json()["pid"] for response in answers if response.status_code == 200}) <= 1
+    assert all(response.status_code in (200, 409) for response in answers)
+
+    # Once done, every worker replays the one answer.
+    async with httpx.AsyncClient(timeout=30) as client:
+        replays = [
+            await client.post(
+                server.url + "/work", content=b"same", headers={"Idempotency-Key": key}
+            )
+            for server in workers
+        ]
+    assert {r.status_code for r in replays} == {200}
+    assert {r.headers["idempotent-replayed"] for r in replays} == {"true"}
+    assert len({r.content for r in replays}) == 1
+    assert effects.count(key) == 1
+
+
+async def test_duplicates_that_wait_get_the_replay_across_workers(
+    store_url: str, tmp_path: Path
+) -> None:
+    settings = {"RELIABILITY_DELAY": "0.5", "RELIABILITY_WAIT": "10", "RELIABILITY_LEASE": "5"}
+    with running_workers(store_url, tmp_path, 2, **settings) as servers:
+        key = f"wait-{uuid.uuid4().hex}"
+        answers: list[httpx.Response] = []
+
+        async def post(client: httpx.AsyncClient, server: ServerProcess) -> None:
+            answers.append(
+                await client.post(
+                    server.url + "/work", content=b"same", headers={"Idempotency-Key": key}
+                )
+            )
+
+        async with httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+            for index in range(50):
+                group.start_soon(post, client, servers[index % 2])
+    effects = Effects(tmp_path / "effects.db")
+    assert effects.count(key) == 1
+    # No 409: every duplicate waited for the one run and got its answer.
+    assert [answer.status_code for answer in answers] == [200] * 50
+    assert len({answer.json()["run"] for answer in answers}) == 1
+    assert sum("idempotent-replayed" in answer.headers for answer in answers) == 49
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+async def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    url = (
+        f"sqlite:///{tmp_path / 'i.db'}"
+        if request.param == "sqlite"
+        else SERVER_DATABASES[request.param]
+    )
+    if request.param != "sqlite":
+        require_server(url)
+    await (await fresh_sql_store(url)).aclose()
+    engine = create_async_engine(async_url(url))
+    async with engine.begin() as conn:
+        await conn.run_sync(fenced_effects.metadata.create_all)
+        await conn.execute(fenced_effects.delete())
+    await engine.dispose()
+    return url
+
+
+async def test_a_fenced_effect_commits_once_when_a_paused_worker_loses_its_key(
+    sql_url: str, tmp_path: Path
+) -> None:
+    settings = {
+        "RELIABILITY_DELAY": "1.5",
+        "RELIABILITY_LEASE": "1",
+        "RELIABILITY_ON_LEASE_LOST": "continue",
+    }
+    key = f"fenced-{uuid.uuid4().hex}"
+    with running_workers(sql_url, tmp_path, 2, **settings) as (first, second):
+        async with httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+            answers: dict[str, httpx.Response] = {}
+
+            async def post(name: str, server: ServerProcess) -> None:
+                answers[name] = await client.post(
+                    server.url + "/fenced", headers={"Idempotency-Key": key}
+                )
+
+            group.start_soon(post, "first", first)
+            await anyio.sleep(0.4)
+            # The first worker freezes mid-handler past its lease: a retry takes the key over
+            # on the second worker and commits its effect.
+            os.kill(first.process.pid, signal.SIGSTOP)
+            try:
+                await anyio.sleep(1.2)
+                await post("retry", second)
+            finally:
+                os.kill(first.process.pid, signal.SIGCONT)
+    engine = create_async_engine(async_url(sql_url))
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(select(fenced_effects.c.pid).where(fenced_effects.c.idem_key == key))
+        ).all()
+    await engine.dispose()
+    # The first worker's transaction found the key another's, and rolled back.
+    assert len(rows) == 1
+    assert answers["retry"].status_code == 201
+    assert answers["first"].status_code == 409
+    assert answers["first"].json()["type"].endswith("in-progress")

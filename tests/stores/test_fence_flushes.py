@@ -1,0 +1,205 @@
+"""One durable flush per fenced request: a route declared ``fenced=True`` claims and completes
+without waiting for its own flush; every other route stays as durable as before."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import Column, MetaData, String, Table, delete, func, select
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from idempotency_mw import (
+    Claim,
+    IdempotencyMiddleware,
+    SQLStore,
+    Store,
+    StoredResponse,
+    fence,
+    idempotent,
+)
+from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import records
+from idempotency_mw.testing import MemoryStore
+from tests.conftest import SERVER_DATABASES, fresh_sql_store, require_server
+from tests.support.apps import client_for
+
+pytestmark = pytest.mark.anyio
+
+metadata = MetaData()
+orders = Table("flush_orders", metadata, Column("id", String(32), primary_key=True))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'app.db'}"
+    found: str = SERVER_DATABASES["postgresql"]
+    require_server(found)
+    return found
+
+
+@pytest.fixture
+async def engine(url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_async_engine(async_url(url))
+    async with engine.begin() as conn:
+        await conn.run_sync(metadata.create_all)
+        await conn.execute(orders.delete())
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture
+async def store(url: str, engine: AsyncEngine) -> AsyncIterator[SQLStore]:
+    store = await fresh_sql_store(url)
+    yield store
+    await store.aclose()
+
+
+def order_service(store: Any, engine: AsyncEngine, *, forget_claim: bool = False) -> FastAPI:
+    """``/fenced`` (declared, fences), ``/unfenced`` (fences, not declared) and ``/forgot``
+    (declared, never fences). ``forget_claim`` deletes the claim's record before the fence,
+    as a crash before its flush would have lost it."""
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store)
+
+    async def order(fenced: bool = True) -> dict[str, str]:
+        order_id = uuid.uuid4().hex
+        if forget_claim:
+            async with engine.begin() as connection:
+                await connection.execute(delete(records))
+        async with engine.begin() as connection:
+            await connection.execute(orders.insert().values(id=order_id))
+            if fenced:
+                await fence(connection)
+        return {"id": order_id}
+
+    @app.post("/fenced", status_code=201)
+    @idempotent(fenced=True)
+    async def fenced() -> dict[str, str]:
+        return await order()
+
+    @app.post("/unfenced", status_code=201)
+    async def unfenced() -> dict[str, str]:
+        return await order()
+
+    @app.post("/forgot", status_code=201)
+    @idempotent(fenced=True)
+    async def forgot() -> dict[str, str]:
+        return await order(fenced=False)
+
+    return app
+
+
+async def flushes(store: SQLStore) -> dict[str, Any]:
+    """Which of the store's connections ran writes, and whether they wait for the disk."""
+    driver: Any = store._driver
+    if driver.dialect_name == "sqlite":
+        # The thread's connection commits in FULL, the loop's in NORMAL (in WAL).
+        found = {}
+        for name, connection in (
+            ("durable", driver._worker._connection),
+            ("fast", driver._loop_connection),
+        ):
+            if connection is not None and connection.total_changes:
+                level = connection.execute("PRAGMA synchronous").fetchone()[0]
+                found[name] = {2: "full", 1: "normal"}[level]
+        return found
+    found = {}
+    for name in ("durable", "fast"):
+        idle = getattr(driver._pool, name)._idle
+        if idle:
+            found[name] = await idle[-1][0].fetchval("SHOW synchronous_commit")
+    return found
+
+
+async def test_a_declared_fenced_route_claims_and_completes_without_their_own_flush(
+    store: SQLStore, engine: AsyncEngine
+) -> None:
+    async with client_for(order_service(store, engine)) as client:
+        reply = await client.post("/fenced", headers={"Idempotency-Key": "k"})
+        assert reply.status_code == 201
+        assert await flushes(store) == {
+            "fast": "normal" if store.url.get_backend_name() == "sqlite" else "off"
+        }
+        again = await client.post("/fenced", headers={"Idempotency-Key": "k"})
+    assert again.json() == reply.json()
+    async with engine.connect() as conn:
+        assert await conn.scalar(select(func.count()).select_from(orders)) == 1
+
+
+async def test_an_unfenced_route_stays_durable(store: SQLStore, engine: AsyncEngine) -> None:
+    async with client_for(order_service(store, engine)) as client:
+        assert (await client.post("/unfenced", headers={"Idempotency-Key": "k"})).is_success
+    assert await flushes(store) == {
+        "durable": "full" if store.url.get_backend_name() == "sqlite" else "on"
+    }
+
+
+async def test_a_declared_route_that_did_not_fence_completes_durably_and_says_so_once(
+    store: SQLStore, engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with client_for(order_service(store, engine)) as client:
+        with caplog.at_level(logging.WARNING, logger="idempotency_mw"):
+            for key in ("a", "b", "c"):
+                assert (await client.post("/forgot", headers={"Idempotency-Key": key})).is_success
+    said = [r for r in caplog.records if "answered without fence()" in r.getMessage()]
+    assert len(said) == 1
+    assert "POST /forgot" in said[0].getMessage()
+    durable = await flushes(store)
+    # The claims skipped their flush; each completion, the only proof, waited for it.
+    assert set(durable) == {"durable", "fast"}
+    async with engine.connect() as conn:
+        completed = await conn.scalar(
+            select(func.count()).select_from(records).where(records.c.status == "completed")
+        )
+    assert completed == 3
+
+
+async def test_a_lost_claim_still_commits_its_effect_once_and_a_retry_is_refused(
+    store: SQLStore, engine: AsyncEngine
+) -> None:
+    async with client_for(order_service(store, engine, forget_claim=True)) as client:
+        first = await client.post("/fenced", headers={"Idempotency-Key": "k"})
+        assert first.status_code == 201
+    # The fence wrote the record again, committed with the effect: the retry replays.
+    async with client_for(order_service(store, engine)) as client:
+        again = await client.post("/fenced", headers={"Idempotency-Key": "k"})
+    assert again.json() == first.json()
+    async with engine.connect() as conn:
+        assert await conn.scalar(select(func.count()).select_from(orders)) == 1
+
+
+class EarlierStore(MemoryStore):
+    """A store written for the protocol before ``durable=``: its methods lack the keyword."""
+
+    async def claim(  # type: ignore[override]
+        self, scope: str, key: str, fingerprint: str, *, ttl: float, lease: float, binding: str = ""
+    ) -> Claim:
+        return await super().claim(scope, key, fingerprint, ttl=ttl, lease=lease, binding=binding)
+
+    async def complete(  # type: ignore[override]
+        self, scope: str, key: str, token: str, response: StoredResponse | None, *, ttl: float
+    ) -> bool:
+        return await super().complete(scope, key, token, response, ttl=ttl)
+
+
+async def test_a_store_without_the_keyword_is_never_given_it() -> None:
+    app = FastAPI()
+    # A store written for the protocol before durable= (typed against today's on purpose).
+    app.add_middleware(IdempotencyMiddleware, store=cast(Store, EarlierStore()))
+
+    @app.post("/fenced", status_code=201)
+    @idempotent(fenced=True)
+    async def fenced() -> dict[str, str]:
+        return {"id": "1"}
+
+    async with client_for(app) as client:
+        first = await client.post("/fenced", headers={"Idempotency-Key": "k"})
+        again = await client.post("/fenced", headers={"Idempotency-Key": "k"})
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
