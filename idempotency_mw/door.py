@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.fence import AT_THE_ENDPOINT, current_claim, current_entrance
+from idempotency_mw.fence import current_claim, current_entrance
 
 #: The name of the parameter through which ``@idempotent(scope=Depends(...))`` hands the door
 #: the caller's scope (FastAPI resolves it with the endpoint's other dependencies).
@@ -125,21 +125,10 @@ def _route_door(
 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     async def door(scope: Scope, receive: Receive, send: Send) -> None:
         entrance = current_entrance.get()
-        if entrance is None:
-            await app(scope, receive, send)
-            return
-        entry = await entrance.enter(None, endpoint=False)
-        if entry is None:
-            await _send_placeholder(send)
-            return
-        if entry == AT_THE_ENDPOINT:
-            await app(scope, receive, send)
-            return
-        reset = current_claim.set(entry)
-        try:
-            await app(scope, receive, send)
-        finally:
-            current_claim.reset(reset)
+        if entrance is not None:
+            # The route began (its key was claimed before the app ran, and fence() handed it).
+            await entrance.enter(None, endpoint=False)
+        await app(scope, receive, send)
 
     return door
 
