@@ -302,6 +302,34 @@ async def test_a_store_call_gives_up_within_socket_timeout_behind_a_silent_serve
     assert max(took) < 1.25
 
 
+async def test_a_server_that_reads_slowly_lets_one_waiting_command_through_at_a_time() -> None:
+    # Each time the socket drains a little, one waiting command goes out and fills it again;
+    # the others keep waiting instead of all writing at once.
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(65_536):
+            await asyncio.sleep(0.005)
+
+    server, port = await serve(slow)
+    connection = PipelinedConnection(Address(host="127.0.0.1", port=port), timeout=5)
+    value = b"x" * 200_000
+    sends = [asyncio.ensure_future(connection.execute("SET", "k", value)) for _ in range(150)]
+    largest = 0
+    try:
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            protocol = connection._protocol
+            if protocol is not None and protocol.transport is not None:
+                largest = max(largest, protocol.transport.get_write_buffer_size())
+        assert 0 < largest < 1_000_000
+    finally:
+        for send in sends:
+            send.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+        await connection.aclose()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_commands_wait_while_the_server_reads_nothing() -> None:
     # A server that stops reading fills the socket; what the callers send meanwhile waits
     # instead of piling up in the connection's write buffer.

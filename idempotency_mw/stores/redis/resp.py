@@ -183,7 +183,7 @@ class PipelinedConnection:
         protocol = self._protocol
         if protocol is None or protocol.lost is not None or self._loop is not _loop():
             protocol = await self._connected()
-        if not protocol.writable.is_set():
+        while not protocol.writable.is_set():  # woken together, the first to write may pause it
             await protocol.writable.wait()
         return await protocol.send(command)
 
