@@ -306,7 +306,9 @@ async def test_a_server_that_reads_slowly_lets_one_waiting_command_through_at_a_
     # Each time the socket drains a little, one waiting command goes out and fills it again;
     # the others keep waiting instead of all writing at once.
     async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while await reader.read(65_536):
+        for _ in range(1000):
+            if not await reader.read(65_536):
+                return
             await asyncio.sleep(0.005)
 
     server, port = await serve(slow)
