@@ -10,9 +10,11 @@ Top-level ``await`` runs on an event loop. A block marked ``not run (why)`` or `
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -90,9 +92,26 @@ def _environment(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The python of a fresh venv holding the package from a wheel built of this checkout."""
-    where = tmp_path_factory.mktemp("wheel")
+def installed(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The python of a fresh venv holding the package from a wheel built of this checkout:
+    built once per run, the workers of ``pytest -n`` share it (the first builds it while the
+    others wait)."""
+    run_folder = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        run_folder = run_folder.parent  # the folder the workers of this run share
+    where = run_folder / "wheel"
+    with (run_folder / "wheel.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        python = where / "venv" / "bin" / "python"
+        if not (where / "installed").exists():
+            shutil.rmtree(where, ignore_errors=True)
+            where.mkdir()
+            _install_the_wheel(where)
+            (where / "installed").touch()
+    return python
+
+
+def _install_the_wheel(where: Path) -> None:
     built = _run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(where), "."]
     )
@@ -104,7 +123,6 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pip = [str(python), "-m", "pip", "install", "--quiet", f"{wheel}[{EXTRAS}]", *PAGE_PACKAGES]
     installing = _run(pip, env=_environment(), timeout=600)
     assert installing.returncode == 0, installing.stdout + installing.stderr
-    return python
 
 
 def run_page(python: Path, page: Path, folder: Path) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,18 @@ CONTRACT = (
     "tests/contract/test_store_contract.py::test_first_claim_acquires_and_repeat_is_in_progress"
 )
 MISSING = "idem_no_such_database"
-PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rsf", "--no-header"]
+PYTEST = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "-n",
+    "0",
+    "-p",
+    "no:cacheprovider",
+    "-q",
+    "-rsf",
+    "--no-header",
+]
 
 
 def run_on_a_missing_database(server: str, *, required: bool) -> subprocess.CompletedProcess[str]:
