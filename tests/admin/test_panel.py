@@ -8,7 +8,6 @@ import html
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from idempotency_mw.records import ClaimOutcome, RecordStatus
 from idempotency_mw.testing import MemoryStore
 from tests.conftest import _missing
 from tests.support.client_support import BASE_URL, Server, sqlite_store_at
+from tests.support.faults import free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -304,13 +304,6 @@ async def test_a_journal_that_fails_is_a_503_page() -> None:
 # --- in a real browser --------------------------------------------------------------------------
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @pytest.fixture

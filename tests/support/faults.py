@@ -38,6 +38,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import uvicorn
 
+from tests.support.ports import free_ports
+
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -390,9 +392,7 @@ def _is_spawned_worker(pid: int) -> bool:
 
 def free_port() -> int:
     """A TCP port that nothing listens on now (a server of the test's own will take it)."""
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return int(probe.getsockname()[1])
+    return free_ports(1)[0]
 
 
 # ---------------------------------------------------------------- store servers of our own

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -13,22 +12,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from tests.support.ports import free_ports
+
 HOST = "127.0.0.1"
 #: How long a master may be silent before the others count it as failed (ms): short, so a
 #: failover test takes seconds, not the default 15.
 NODE_TIMEOUT_MS = 1000
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` different TCP ports nothing listens on right now (the OS picks them)."""
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind((HOST, 0))
-        return [int(probe.getsockname()[1]) for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
 
 
 def redis_cli(port: int, *args: str, timeout: float = 30) -> str:
