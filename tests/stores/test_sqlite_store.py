@@ -176,6 +176,10 @@ async def test_the_wal_restarts_under_steady_load(
     assert records_in(sqlite_url) == 600
 
 
+#: How much later than beside Redis the ticker may run beside SQLite (seconds, p90).
+MARGIN = 0.001
+
+
 async def lateness_beside_first_requests(store: Store, seconds: float = 0.3) -> float:
     """How late (p90, seconds) a 1 ms ticker runs while keyed first requests (a claim and a
     completion each) run one after another on ``store`` for ``seconds``."""
@@ -208,20 +212,23 @@ async def test_first_requests_hold_the_event_loop_no_longer_than_on_redis(
 ) -> None:
     # A commit in FULL (the default) waits for two fsyncs: on the event loop, every other task
     # of the worker would wait with it. Rounds alternate, and each store keeps its best: other
-    # processes only ever make the ticker later.
+    # processes (the suite's other workers, a busy disk) only ever make the ticker later, so
+    # rounds go on until the best of SQLite is within the margin, ten at most.
     sqlite_store = SQLStore(sqlite_url)
     on_sqlite = on_redis = math.inf
     try:
         async with built_store("redis-url", request) as redis_store:
-            for _ in range(3):
+            for _ in range(10):
                 on_redis = min(on_redis, await lateness_beside_first_requests(redis_store))
                 on_sqlite = min(on_sqlite, await lateness_beside_first_requests(sqlite_store))
+                if on_sqlite <= on_redis + MARGIN:
+                    break
     finally:
         await sqlite_store.aclose()
     # Beside Redis the ticker shows what the machine's scheduling costs. What the loop still
     # does per request on SQLite (its reads, the hops to the thread) fits in the margin; the
     # two fsyncs of a commit held on the loop would not.
-    assert on_sqlite <= on_redis + 0.001
+    assert on_sqlite <= on_redis + MARGIN
 
 
 async def test_closing_never_waits_for_the_worker_thread_on_the_event_loop(

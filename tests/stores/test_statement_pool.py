@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import threading
 import time
@@ -139,3 +140,17 @@ async def test_closing_the_driver_waits_for_the_pool_it_left_in_another_running_
         other.call_soon_threadsafe(other.stop)
         thread.join()
         other.close()
+
+
+def test_a_statement_running_when_its_event_loop_shuts_down_leaves_nothing_open() -> None:
+    # asyncio.run cancels the tasks still running, then closes the loop: the statement's
+    # connection (and any asyncpg would open to cancel it) must be closed by then.
+    require_server(POSTGRESQL_URL)
+
+    async def leave_a_statement_running() -> None:
+        pool = pool_of()
+        asyncio.get_running_loop().create_task(pid(pool, sleep=5))
+        await asyncio.sleep(0.3)  # the statement runs on the server
+
+    asyncio.run(leave_a_statement_running())
+    gc.collect()  # what was left open warns here (an error in this suite)

@@ -9,6 +9,9 @@ from typing import Any
 
 #: Seconds a connection has to close politely before it is cut.
 _CLOSE_TIMEOUT = 5.0
+#: Milliseconds between the server's checks that a connection running a statement is still
+#: there (``client_connection_check_interval``).
+CHECK_CLIENT_EVERY = 200
 
 
 class StatementPool:
@@ -20,8 +23,11 @@ class StatementPool:
     ``driver="native"`` beside ``driver="sqlalchemy"`` in one run).
 
     A connection whose statement was interrupted (cancelled, timed out) or failed other than by
-    the server's answer (``PostgresError``) is never reused: it is closed in the background,
-    which first has the server cancel the statement (asyncpg sends the cancel request).
+    the server's answer (``PostgresError``) is never reused: it is cut at once, and the server
+    ends the statement within :data:`CHECK_CLIENT_EVERY` (PostgreSQL 14 and later check that
+    the client is still there while a statement runs; before 14 it runs to its end). Nothing is
+    left running: no cancel request on a second connection, which a stalled server would leave
+    hanging, and which an event loop shutting down would leave open.
     Connections idle longer than ``max_idle`` seconds are terminated, as asyncpg's pool does,
     so that a server or proxy that drops idle connections does not fail a statement later: a
     timer watches the oldest idle connection, whether traffic comes or not.
@@ -42,7 +48,6 @@ class StatementPool:
         self._slots = asyncio.Semaphore(max_size)
         #: Idle connections, each with when it became idle; the most recent last.
         self._idle: list[tuple[Any, float]] = []
-        self._closing: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.TimerHandle | None = None
         self._closed = False
 
@@ -62,17 +67,30 @@ class StatementPool:
         async with self._slots:
             connection = self._take_idle()
             if connection is None:
-                connection = await self._connect()
+                connection = await self._open()
             try:
                 result = await getattr(connection, method)(sql, *args)
             except self._answered:
                 self._give_back(connection)
                 raise
             except BaseException:
-                self._retire(connection)
+                connection.terminate()
                 raise
             self._give_back(connection)
             return result
+
+    async def _open(self) -> Any:
+        """A new connection, whose server ends its statement when it is cut (from 14 on)."""
+        connection = await self._connect()
+        try:
+            if connection.get_server_version().major >= 14:
+                await connection.execute(
+                    f"SET client_connection_check_interval = '{CHECK_CLIENT_EVERY}ms'"
+                )
+        except BaseException:
+            connection.terminate()
+            raise
+        return connection
 
     def _take_idle(self) -> Any:
         """The most recently used idle connection still open and fresh, or ``None``."""
@@ -103,20 +121,14 @@ class StatementPool:
             wait = self._idle[0][1] - stale_before
             self._reaper = asyncio.get_running_loop().call_later(wait, self._reap)
 
-    def _retire(self, connection: Any) -> None:
-        task = asyncio.get_running_loop().create_task(_close(connection))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
     async def aclose(self) -> None:
-        """Close the idle connections and wait for those being closed; those in use close when
-        their statement ends."""
+        """Close the idle connections; those in use close when their statement ends."""
         self._closed = True
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
         idle, self._idle = self._idle, []
-        await asyncio.gather(*(_close(connection) for connection, _ in idle), *self._closing)
+        await asyncio.gather(*(_close(connection) for connection, _ in idle))
 
 
 async def _close(connection: Any) -> None:
