@@ -18,6 +18,9 @@ from idempotency_mw.client.mcp import key_meta
 
 pytestmark = pytest.mark.anyio
 
+#: The demo's calls in the test.
+OPERATIONS = 30
+
 
 @pytest.mark.parametrize("json_response", [True, False], ids=["json", "sse"])
 async def test_create_ticket_over_streamable_http_once_per_key(
@@ -70,12 +73,13 @@ def test_demo_exits_0_when_the_protected_run_created_every_ticket_once(
         return summary
 
     monkeypatch.setattr(mcp_demo, "run_demo", recorded)
-    assert mcp_demo.main(["--operations", "60", "--seed", "3"]) == 0
+    # Fewer calls than the demo's 200: each opens a session, and the suite runs on few cores.
+    assert mcp_demo.main(["--operations", str(OPERATIONS), "--seed", "3"]) == 0
     (summary,) = summaries
     naive, idempotent = summary.naive, summary.idempotent
     assert naive.duplicates > 0
     assert idempotent.duplicates == 0
-    assert idempotent.tickets == idempotent.confirmed == idempotent.operations == 60
+    assert idempotent.tickets == idempotent.confirmed == idempotent.operations == OPERATIONS
     assert sum(idempotent.faults.values()) > 0
     out, _ = capsys.readouterr()
     assert out.rstrip().splitlines()[-1].startswith("OK:")
