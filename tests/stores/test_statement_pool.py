@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 from sqlalchemy import func, select
 
-from idempotency_mw.stores.sql.drivers import async_url
+from idempotency_mw.stores.sql.drivers import async_url, statement_pool
 from idempotency_mw.stores.sql.drivers.postgresql import AsyncpgDriver
 from idempotency_mw.stores.sql.drivers.statement_pool import StatementPool
 from tests.conftest import POSTGRESQL_URL, require_server
@@ -154,3 +154,20 @@ def test_a_statement_running_when_its_event_loop_shuts_down_leaves_nothing_open(
 
     asyncio.run(leave_a_statement_running())
     gc.collect()  # what was left open warns here (an error in this suite)
+
+
+async def test_a_server_that_refuses_the_client_check_still_runs_statements(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # PostgreSQL on a platform without the check refuses any value but 0; an invalid value
+    # is refused the same way here.
+    monkeypatch.setattr(statement_pool, "CHECK_CLIENT_EVERY", -1)
+    pool = pool_of()
+    try:
+        # Two connections at once: the refusal is said once for the pool.
+        pids = await asyncio.gather(pid(pool, sleep=0.1), pid(pool, sleep=0.1))
+        assert len(set(pids)) == 2
+    finally:
+        await pool.aclose()
+    refusals = [r for r in caplog.records if "client_connection_check_interval" in r.message]
+    assert len(refusals) == 1

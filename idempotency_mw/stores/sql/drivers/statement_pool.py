@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+logger = logging.getLogger("idempotency_mw")
 
 #: Seconds a connection has to close politely before it is cut.
 _CLOSE_TIMEOUT = 5.0
@@ -50,6 +53,8 @@ class StatementPool:
         self._idle: list[tuple[Any, float]] = []
         self._reaper: asyncio.TimerHandle | None = None
         self._closed = False
+        #: The server refused the client check (said once).
+        self._check_refused = False
 
     async def fetch(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
         """The rows of one statement."""
@@ -80,13 +85,19 @@ class StatementPool:
             return result
 
     async def _open(self) -> Any:
-        """A new connection, whose server ends its statement when it is cut (from 14 on)."""
+        """A new connection, whose server ends its statement when it is cut (from 14 on;
+        a server that refuses the check, as one on a platform without it does, runs an
+        interrupted statement to its end)."""
         connection = await self._connect()
         try:
             if connection.get_server_version().major >= 14:
                 await connection.execute(
                     f"SET client_connection_check_interval = '{CHECK_CLIENT_EVERY}ms'"
                 )
+        except self._answered as exc:
+            if not self._check_refused:
+                self._check_refused = True
+                logger.warning("the server refuses client_connection_check_interval: %s", exc)
         except BaseException:
             connection.terminate()
             raise
