@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import pytest
 import redis.asyncio
@@ -302,6 +303,29 @@ async def test_a_store_call_gives_up_within_socket_timeout_behind_a_silent_serve
     assert max(took) < 1.25
 
 
+@asynccontextmanager
+async def flooding(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    *,
+    reply_timeout: float,
+) -> AsyncIterator[PipelinedConnection]:
+    """A connection to a server that answers with ``handle``, 150 commands of 200 KB sent
+    on it at once; the block ends them all."""
+    server, port = await serve(handle)
+    connection = PipelinedConnection(Address(host="127.0.0.1", port=port), timeout=reply_timeout)
+    value = b"x" * 200_000
+    sends = [asyncio.ensure_future(connection.execute("SET", "k", value)) for _ in range(150)]
+    try:
+        yield connection
+    finally:
+        for send in sends:
+            send.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+        await connection.aclose()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_server_that_reads_slowly_lets_one_waiting_command_through_at_a_time() -> None:
     # Each time the socket drains a little, one waiting command goes out and fills it again;
     # the others keep waiting instead of all writing at once.
@@ -311,25 +335,14 @@ async def test_a_server_that_reads_slowly_lets_one_waiting_command_through_at_a_
                 return
             await asyncio.sleep(0.005)
 
-    server, port = await serve(slow)
-    connection = PipelinedConnection(Address(host="127.0.0.1", port=port), timeout=5)
-    value = b"x" * 200_000
-    sends = [asyncio.ensure_future(connection.execute("SET", "k", value)) for _ in range(150)]
     largest = 0
-    try:
+    async with flooding(slow, reply_timeout=5) as connection:
         for _ in range(100):
             await asyncio.sleep(0.01)
             protocol = connection._protocol
             if protocol is not None and protocol.transport is not None:
                 largest = max(largest, protocol.transport.get_write_buffer_size())
-        assert 0 < largest < 1_000_000
-    finally:
-        for send in sends:
-            send.cancel()
-        await asyncio.gather(*sends, return_exceptions=True)
-        await connection.aclose()
-        server.close()
-        await server.wait_closed()
+    assert 0 < largest < 1_000_000
 
 
 async def test_commands_wait_while_the_server_reads_nothing() -> None:
@@ -338,19 +351,8 @@ async def test_commands_wait_while_the_server_reads_nothing() -> None:
     async def deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(3)
 
-    server, port = await serve(deaf)
-    connection = PipelinedConnection(Address(host="127.0.0.1", port=port), timeout=2)
-    value = b"x" * 200_000
-    sends = [asyncio.ensure_future(connection.execute("SET", "k", value)) for _ in range(150)]
-    try:
+    async with flooding(deaf, reply_timeout=2) as connection:
         await asyncio.sleep(0.5)
         transport = connection._protocol.transport if connection._protocol else None
         assert transport is not None
         assert transport.get_write_buffer_size() < 1_000_000
-    finally:
-        for send in sends:
-            send.cancel()
-        await asyncio.gather(*sends, return_exceptions=True)
-        await connection.aclose()
-        server.close()
-        await server.wait_closed()
