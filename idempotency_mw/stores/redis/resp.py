@@ -21,6 +21,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from idempotency_mw.stores.redis.replies import ReplyWait
+
 Arg = bytes | str | int
 
 
@@ -164,6 +166,7 @@ class PipelinedConnection:
         self._protocol: RespProtocol | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Future[RespProtocol] | None = None
+        self._replies = ReplyWait()
 
     async def execute(self, *args: Arg) -> Any:
         """Send one command and return its reply; Redis errors raise ``ResponseError``."""
@@ -185,7 +188,7 @@ class PipelinedConnection:
             protocol = await self._connected()
         while not protocol.writable.is_set():  # woken together, the first to write may pause it
             await protocol.writable.wait()
-        return await protocol.send(command)
+        return await self._replies.reply(protocol.send(command))
 
     async def _connected(self) -> RespProtocol:
         """The live connection, opened once however many callers are waiting for it."""
