@@ -1,4 +1,5 @@
-"""ReplyWait: how the Redis connection waits for a reply, yielding first while replies come fast."""
+"""ReplyWait: how the Redis connection waits for a reply, keeping the loop awake while replies come
+fast."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.anyio
 
 
 class CountedFuture(asyncio.Future[str]):
-    """A future that counts how often its waiter looked at it."""
+    """A future that counts how often it was looked at."""
 
     looks = 0
 
@@ -34,34 +35,34 @@ def answered_in_two_turns() -> CountedFuture:
     return pending
 
 
-async def test_a_reply_that_comes_while_the_waiter_yields_is_taken() -> None:
+async def test_the_loop_is_kept_awake_until_the_reply_comes() -> None:
     pending = answered_in_two_turns()
     assert await ReplyWait(limit=0.05).reply(pending) == "reply"
-    assert pending.looks >= 3  # it yielded and looked again, instead of sleeping at once
+    assert pending.looks >= 3  # looked at again on the next turn, instead of sleeping at once
 
 
-async def test_the_yielding_ends_at_the_limit() -> None:
+async def test_the_loop_is_let_sleep_at_the_limit() -> None:
     pending = answered_after(0.1)
     assert await ReplyWait(limit=0.001).reply(pending) == "reply"
-    # A turn of an idle loop takes microseconds: yielding for the whole 100 ms would have
-    # looked tens of thousands of times; 1 ms of it, hundreds.
+    # A turn of an idle loop takes microseconds: kept awake for the whole 100 ms, it would have
+    # looked tens of thousands of times; for 1 ms of it, hundreds.
     assert pending.looks < 5_000
 
 
-async def test_replies_that_come_too_late_make_the_waits_yield_ever_less_often() -> None:
+async def test_replies_that_come_too_late_keep_the_loop_awake_ever_less_often() -> None:
     waiting = ReplyWait(limit=0.001)
-    yielded = []
+    kept_awake = []
     for _ in range(20):
         pending = answered_after(0.003)
         assert await waiting.reply(pending) == "reply"
-        yielded.append(pending.looks > 1)
+        kept_awake.append(pending.looks > 1)
     # Tried on the 1st, 3rd, 7th and 15th wait: each miss doubles the waits that skip it.
-    assert [n for n, tried in enumerate(yielded, 1) if tried] == [1, 3, 7, 15]
+    assert [n for n, tried in enumerate(kept_awake, 1) if tried] == [1, 3, 7, 15]
 
 
-async def test_a_reply_in_time_makes_every_wait_yield_again() -> None:
+async def test_a_reply_in_time_makes_every_wait_keep_the_loop_awake_again() -> None:
     waiting = ReplyWait(limit=0.002)
-    for _ in range(3):  # three misses: the next 7 waits would go asleep at once
+    for _ in range(3):  # three misses: the next 7 waits let the loop sleep at once
         await waiting.reply(answered_after(0.005))
     for _ in range(7):
         await waiting.reply(answered_in_two_turns())
@@ -77,13 +78,20 @@ async def test_a_reply_in_time_makes_every_wait_yield_again() -> None:
     assert pending.looks >= 3
 
 
-async def test_a_caller_cancelled_while_yielding_cancels_its_reply() -> None:
+async def test_a_cancelled_caller_lets_the_loop_sleep() -> None:
     pending = CountedFuture()
-    caller = asyncio.ensure_future(ReplyWait(limit=1.0).reply(pending))
-    await asyncio.sleep(0)
+    waiting = ReplyWait(limit=1.0)
+
+    async def command() -> str:
+        return await waiting.reply(pending)
+
+    caller = asyncio.ensure_future(command())
     await asyncio.sleep(0)
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller
-    # Otherwise a reply (or a lost connection's error) would settle a future nobody reads.
-    assert pending.cancelled()
+    assert pending.cancelled()  # no reply settles a future nobody reads
+    looks = pending.looks
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert pending.looks == looks  # not kept awake for the rest of the second
