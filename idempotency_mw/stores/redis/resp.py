@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from idempotency_mw.stores.redis.replies import ReplyWait
+from idempotency_mw.stores.replies import ReplyWait
 
 Arg = bytes | str | int
 
@@ -188,7 +188,7 @@ class PipelinedConnection:
             protocol = await self._connected()
         while not protocol.writable.is_set():  # woken together, the first to write may pause it
             await protocol.writable.wait()
-        return await self._replies.reply(protocol.send(command))
+        return await self._replies.wait(protocol.send(command))
 
     async def _connected(self) -> RespProtocol:
         """The live connection, opened once however many callers are waiting for it."""

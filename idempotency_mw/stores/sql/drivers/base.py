@@ -11,6 +11,8 @@ from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import Executable
 
+from idempotency_mw.stores.replies import ReplyWait
+
 T = TypeVar("T")
 Rows = Sequence[Sequence[Any]]
 
@@ -75,6 +77,8 @@ class Compiled:
         self.sql = compiled.string
         #: Whether the statement changes rows (so commits, and waits for the disk).
         self.writes = bool(getattr(statement, "is_dml", False))
+        #: How long this statement's replies take, to keep the loop awake for the fast ones.
+        self.replies = ReplyWait()
         self._names = tuple(compiled.positiontup or ())
         self._defaults = compiled.params
 

@@ -52,7 +52,7 @@ class AsyncmyDriver(PooledDriver):
                 await cursor.execute(compiled.sql, args)
                 return (await cursor.fetchall() if fetch else ()), int(cursor.rowcount)
 
-        return await self._on_pool(run, deadline)
+        return await self._on_pool(run, deadline, compiled.replies)
 
     async def fetch(
         self,

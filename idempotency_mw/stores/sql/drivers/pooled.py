@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
 from idempotency_mw.exceptions import describe
+from idempotency_mw.stores.replies import ReplyWait
 from idempotency_mw.stores.sql.drivers.base import CompileCache, T
 from idempotency_mw.stores.sql.drivers.reruns import with_reruns
 
@@ -57,13 +58,18 @@ class PooledDriver(abc.ABC):
     def _may_rerun(self, exc: Exception) -> bool:
         """Whether a statement that failed with ``exc`` had no effect and may run again."""
 
-    async def _on_pool(self, run: Callable[[Any], Awaitable[T]], deadline: float) -> T:
-        """``run(pool)``, run again when it fails in a way ``_may_rerun`` allows."""
+    async def _on_pool(
+        self, run: Callable[[Any], Awaitable[T]], deadline: float, replies: ReplyWait
+    ) -> T:
+        """``run(pool)``, run again when it fails in a way ``_may_rerun`` allows; waited for
+        as ``replies`` (the statement's) are."""
         loop = asyncio.get_running_loop()
         if self._pool is None or self._pool_loop is not loop:
             await self._open_in(loop)
         pool = self._pool
-        return await with_reruns(lambda: run(pool), self._may_rerun, deadline=deadline)
+        return await replies.wait(
+            with_reruns(lambda: run(pool), self._may_rerun, deadline=deadline)
+        )
 
     async def _open_in(self, loop: asyncio.AbstractEventLoop) -> None:
         """Open this event loop's pool, once however many callers wait for it."""

@@ -75,7 +75,7 @@ class AsyncpgDriver(PooledDriver):
         compiled = self._compile(statement)
         args = compiled.args(params)
         return await self._on_pool(
-            lambda pools: pools.of(durable).fetch(compiled.sql, args), deadline
+            lambda pools: pools.of(durable).fetch(compiled.sql, args), deadline, compiled.replies
         )
 
     async def change(
@@ -89,6 +89,8 @@ class AsyncpgDriver(PooledDriver):
         compiled = self._compile(statement)
         args = compiled.args(params)
         status: str = await self._on_pool(
-            lambda pools: pools.of(durable).execute(compiled.sql, args), deadline
+            lambda pools: pools.of(durable).execute(compiled.sql, args),
+            deadline,
+            compiled.replies,
         )
         return int(status.rsplit(" ", 1)[-1])

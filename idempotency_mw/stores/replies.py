@@ -1,0 +1,63 @@
+"""How a store waits for its server's reply: with the event loop kept awake for a moment.
+
+A nearby Redis answers a command, and a database a read, within tens of microseconds: less than
+it takes an event loop asleep in its poll to be woken (most of all on a virtual machine). So
+while a reply is awaited, a callback keeps the loop from sleeping for a bounded time (the loop
+then polls without waiting, and runs whatever else is ready), and only then does the loop wait
+asleep. Where replies are usually slower (a commit that waits for the disk, a remote server),
+keeping the loop awake would only burn the processor: after each reply that came too late, the
+next waits let the loop sleep at once, twice as many each time (up to 63), and a reply in time
+makes every wait keep it awake again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+#: The longest the loop is kept from sleeping while a reply is awaited, in seconds.
+AWAKE_LIMIT = 250e-6
+#: After this many replies in a row too late, the loop is kept awake once in 64 waits.
+_MOST_MISSES = 6
+
+
+class ReplyWait:
+    """Waits for the replies of one kind (one connection's, one statement's): :meth:`wait`
+    keeps the event loop from sleeping for up to ``limit`` seconds, and less often while
+    replies come too late."""
+
+    __slots__ = ("_limit", "_misses", "_skips")
+
+    def __init__(self, limit: float = AWAKE_LIMIT) -> None:
+        self._limit = limit
+        #: Waits in a row whose reply came after the loop was let sleep.
+        self._misses = 0
+        #: Waits left that let the loop sleep at once.
+        self._skips = 0
+
+    async def wait(self, reply: Awaitable[T]) -> T:
+        """``await reply``, with the loop kept awake for it."""
+        if self._skips:
+            self._skips -= 1
+            return await reply
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self._limit
+        settled = False
+
+        def again() -> None:
+            if settled:
+                self._misses = 0
+            elif loop.time() < until:
+                loop.call_soon(again)
+            else:
+                self._misses = min(self._misses + 1, _MOST_MISSES)
+                self._skips = 2**self._misses - 1
+
+        loop.call_soon(again)
+        try:
+            return await reply
+        finally:
+            settled = True
