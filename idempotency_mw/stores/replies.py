@@ -7,7 +7,8 @@ then polls without waiting, and runs whatever else is ready), and only then does
 asleep. Where replies are usually slower (a commit that waits for the disk, a remote server),
 keeping the loop awake would only burn the processor: after each reply that came too late, the
 next waits let the loop sleep at once, twice as many each time (up to 63), and a reply in time
-makes every wait keep it awake again.
+makes every wait keep it awake again. Not for a worker thread's result (SQLite's commits): a
+loop kept awake would hold the interpreter's lock that the thread needs.
 """
 
 from __future__ import annotations
