@@ -530,7 +530,7 @@ def test_one_callers_key_never_replays_to_another_caller(tmp_path: Path) -> None
             # Any text a JSON body can carry: no NUL, no lone surrogate (not Unicode text;
             # FastAPI answers 422 for it, before the endpoint).
             title=st.text(
-                st.characters(exclude_characters="\x00", exclude_categories=("Cs",)),
+                st.characters(exclude_characters="\x00", exclude_categories=["Cs"]),
                 min_size=1,
                 max_size=50,
             ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sqlite3
 from collections.abc import AsyncIterator
@@ -619,3 +620,26 @@ async def test_a_retry_sent_as_the_answer_arrives_is_replayed(store: Store) -> N
     assert retry[0]["status"] == 201
     assert (b"idempotent-replayed", b"true") in retry[0]["headers"]
     assert app.state.calls["tickets"] == 1
+
+
+async def test_a_keyed_request_leaves_no_garbage_for_the_collector() -> None:
+    """A request's objects are freed with it: none of ours is left in a reference cycle for
+    the garbage collector (each one cost it time and made collections run more often)."""
+    app = make_app(MemoryStore())
+    async with client_for(app) as client:
+        await client.post("/tickets", json={"t": 0}, headers=key("warm-up"))
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            first = await client.post("/tickets", json={"t": 1}, headers=key("k"))
+            again = await client.post("/tickets", json={"t": 1}, headers=key("k"))
+            other = await client.post("/tickets", json={"t": 2}, headers=key("k"))
+            gc.collect()
+            ours = [o for o in gc.garbage if type(o).__module__.startswith("idempotency_mw")]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert (first.status_code, again.status_code, other.status_code) == (201, 201, 409)
+    assert ours == []
