@@ -44,21 +44,35 @@ class ReplyWait:
         if self._skips:
             self._skips -= 1
             return await reply
-        loop = asyncio.get_running_loop()
-        until = loop.time() + self._limit
-        settled = False
-
-        def again() -> None:
-            if settled:
-                self._misses = 0
-            elif loop.time() < until:
-                loop.call_soon(again)
-            else:
-                self._misses = min(self._misses + 1, _MOST_MISSES)
-                self._skips = 2**self._misses - 1
-
-        loop.call_soon(again)
+        awake = _KeptAwake(self)
         try:
             return await reply
         finally:
-            settled = True
+            awake.settled = True
+
+    def _missed(self) -> None:
+        self._misses = min(self._misses + 1, _MOST_MISSES)
+        self._skips = 2**self._misses - 1
+
+
+class _KeptAwake:
+    """The callback that keeps the loop awake for one wait: run on every turn of the loop
+    until the reply came or the limit passed (an object, not a closure that schedules
+    itself, so that nothing is left in a reference cycle)."""
+
+    __slots__ = ("_loop", "_until", "_wait", "settled")
+
+    def __init__(self, wait: ReplyWait) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._until = self._loop.time() + wait._limit
+        self._wait = wait
+        self.settled = False
+        self._loop.call_soon(self)
+
+    def __call__(self) -> None:
+        if self.settled:
+            self._wait._misses = 0
+        elif self._loop.time() < self._until:
+            self._loop.call_soon(self)
+        else:
+            self._wait._missed()

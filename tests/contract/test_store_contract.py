@@ -22,6 +22,7 @@ from tests.conftest import (
     fresh_sql_store,
     require_server,
 )
+from tests.support.garbage import garbage_of_ours
 
 pytestmark = pytest.mark.anyio
 
@@ -98,6 +99,26 @@ async def test_a_completion_delivered_twice_is_acknowledged_both_times(
     assert not await store.complete("", "k", new_token(), RESPONSE, ttl=TTL)
     assert not await store.complete("", "k", token, None if response else RESPONSE, ttl=TTL)
     assert await store.claim("", "k", "f", ttl=TTL, lease=LEASE) == again
+
+
+async def test_store_calls_leave_no_garbage_for_the_collector(store: Store) -> None:
+    async def calls(key: str) -> tuple[Claim, bool]:
+        token = await acquire(store, key)
+        assert await store.renew("", key, token, lease=LEASE)
+        assert await store.complete("", key, token, RESPONSE, ttl=TTL)
+        replay = await store.claim("", key, "f", ttl=TTL, lease=LEASE)
+        return replay, await store.release("", f"{key}-gone", await acquire(store, f"{key}-gone"))
+
+    # Each call made first (connections opened, statements and scripts loaded), on keys
+    # enough to reach every node of a cluster: what the calls leave on every request counts,
+    # not what a first connection or a first use of a script costs once.
+    for n in range(16):
+        await calls(f"warm-{n}")
+    with garbage_of_ours() as garbage:
+        replay, released = await calls("k")
+    assert replay.outcome is ClaimOutcome.REPLAY
+    assert released
+    assert garbage == []
 
 
 async def test_complete_after_ttl_and_lease_both_passed_is_refused(store: Store) -> None:

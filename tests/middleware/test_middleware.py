@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import sqlite3
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from idempotency_mw.fingerprint import request_fingerprint
 from idempotency_mw.testing import MemoryStore
 from tests.support.apps import client_for, http_scope, make_app
 from tests.support.client_support import FakeTime
+from tests.support.garbage import garbage_of_ours
 
 pytestmark = pytest.mark.anyio
 
@@ -622,24 +622,14 @@ async def test_a_retry_sent_as_the_answer_arrives_is_replayed(store: Store) -> N
     assert app.state.calls["tickets"] == 1
 
 
-async def test_a_keyed_request_leaves_no_garbage_for_the_collector() -> None:
-    """A request's objects are freed with it: none of ours is left in a reference cycle for
-    the garbage collector (each one cost it time and made collections run more often)."""
-    app = make_app(MemoryStore())
+async def test_a_keyed_request_leaves_no_garbage_for_the_collector(store: Store) -> None:
+    """A request's objects are freed with it, none left in a reference cycle."""
+    app = make_app(store)
     async with client_for(app) as client:
         await client.post("/tickets", json={"t": 0}, headers=key("warm-up"))
-        gc.collect()
-        gc.disable()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
+        with garbage_of_ours() as garbage:
             first = await client.post("/tickets", json={"t": 1}, headers=key("k"))
             again = await client.post("/tickets", json={"t": 1}, headers=key("k"))
             other = await client.post("/tickets", json={"t": 2}, headers=key("k"))
-            gc.collect()
-            ours = [o for o in gc.garbage if type(o).__module__.startswith("idempotency_mw")]
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
     assert (first.status_code, again.status_code, other.status_code) == (201, 201, 409)
-    assert ours == []
+    assert garbage == []
