@@ -68,7 +68,12 @@ def running_workers(
 
 @pytest.fixture
 def workers(store_url: str, tmp_path: Path) -> Iterator[list[ServerProcess]]:
-    with running_workers(store_url, tmp_path, WORKERS, RELIABILITY_DELAY="0.1") as servers:
+    # A lease of 5 s, as the waiting test's: on a busy machine a burst on SQLite once got an
+    # answer other than 200 or 409 (still one run). A claim slowed by the burst past a third
+    # of a 1 s lease must prove the lease again before it runs, and is answered 503 when it
+    # cannot: right, but not what this test is about.
+    settings = {"RELIABILITY_DELAY": "0.1", "RELIABILITY_LEASE": "5"}
+    with running_workers(store_url, tmp_path, WORKERS, **settings) as servers:
         yield servers
 
 
@@ -91,7 +96,8 @@ async def test_a_burst_across_worker_processes_runs_once(
     effects = Effects(tmp_path / "effects.db")
     assert effects.count(key) == 1
     assert len({response.json()["pid"] for response in answers if response.status_code == 200}) <= 1
-    assert all(response.status_code in (200, 409) for response in answers)
+    others = [(r.status_code, r.text[:300]) for r in answers if r.status_code not in (200, 409)]
+    assert others == []
 
     # Once done, every worker replays the one answer.
     async with httpx.AsyncClient(timeout=30) as client:
