@@ -44,13 +44,16 @@ class ReplyWait:
         if self._skips:
             self._skips -= 1
             return await reply
-        awake = _KeptAwake(self)
+        awake = _KeptAwake(self, self._limit)
         try:
             return await reply
         finally:
             awake.settled = True
 
-    def _missed(self) -> None:
+    def _came_in_time(self) -> None:
+        self._misses = 0
+
+    def _came_too_late(self) -> None:
         self._misses = min(self._misses + 1, _MOST_MISSES)
         self._skips = 2**self._misses - 1
 
@@ -62,17 +65,17 @@ class _KeptAwake:
 
     __slots__ = ("_loop", "_until", "_wait", "settled")
 
-    def __init__(self, wait: ReplyWait) -> None:
+    def __init__(self, wait: ReplyWait, limit: float) -> None:
         self._loop = asyncio.get_running_loop()
-        self._until = self._loop.time() + wait._limit
+        self._until = self._loop.time() + limit
         self._wait = wait
         self.settled = False
         self._loop.call_soon(self)
 
     def __call__(self) -> None:
         if self.settled:
-            self._wait._misses = 0
+            self._wait._came_in_time()
         elif self._loop.time() < self._until:
             self._loop.call_soon(self)
         else:
-            self._wait._missed()
+            self._wait._came_too_late()
