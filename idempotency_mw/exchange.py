@@ -176,28 +176,39 @@ class Exchange:
             async with self.engine.hold(
                 answered=lambda: recorder.status is not None, on_stopped=answer_stopped
             ) as hold:
-                self._hold = hold
-                try:
-                    self._began = doors is None
-                    entry = None
-                    if call is not None and claimed is not None:
-                        entry = await self._kept(call, claimed)
-                        if entry is None:
-                            return
-                    reset = current_claim.set(entry)
-                    entrance = current_entrance.set(None if doors is None else self)
-                    try:
-                        await self._run_app(ReplayReceive(body, self.receive), recorder)
-                    finally:
-                        current_entrance.reset(entrance)
-                        current_claim.reset(reset)
-                finally:
-                    if not hold.stopped:
-                        await self._settle(recorder)
+                await self._run_held(hold, call, claimed, body, recorder)
         finally:
             # The exchange, its recorder and its hold refer to one another: let go of them, so
             # that the request's objects are freed with it instead of left to the collector.
             self._hold = self._recorder = None
+
+    async def _run_held(
+        self,
+        hold: Hold,
+        call: Call | None,
+        claimed: Claim | str | None,
+        body: bytes,
+        recorder: ResponseRecorder,
+    ) -> None:
+        """Run the app while ``hold`` keeps the claim (once taken), then settle the key."""
+        self._hold = hold
+        try:
+            self._began = self._doors is None
+            entry = None
+            if call is not None and claimed is not None:
+                entry = await self._kept(call, claimed)
+                if entry is None:
+                    return
+            reset = current_claim.set(entry)
+            entrance = current_entrance.set(None if self._doors is None else self)
+            try:
+                await self._run_app(ReplayReceive(body, self.receive), recorder)
+            finally:
+                current_entrance.reset(entrance)
+                current_claim.reset(reset)
+        finally:
+            if not hold.stopped:
+                await self._settle(recorder)
 
     async def _run_app(self, receive: Receive, recorder: ResponseRecorder) -> None:
         try:

@@ -61,8 +61,8 @@ class PooledDriver(abc.ABC):
     async def _on_pool(
         self, run: Callable[[Any], Awaitable[T]], deadline: float, replies: ReplyWait
     ) -> T:
-        """``run(pool)``, run again when it fails in a way ``_may_rerun`` allows; waited for
-        as ``replies`` (the statement's) are."""
+        """``run(pool)``, run again when it fails in a way ``_may_rerun`` allows; ``replies``
+        (the statement's) keeps the loop awake while it runs."""
         loop = asyncio.get_running_loop()
         if self._pool is None or self._pool_loop is not loop:
             await self._open_in(loop)
