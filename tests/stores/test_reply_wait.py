@@ -87,18 +87,19 @@ def test_replies_that_come_too_late_keep_the_loop_awake_ever_less_often() -> Non
 
 
 def test_a_reply_in_time_makes_every_wait_keep_the_loop_awake_again() -> None:
-    # Replies in time come after 3 ms, too late after 60: far from the 30 ms limit on either
-    # side (a busy machine can only make a reply later).
+    # Replies in time come after 3 ms, too late after 300: far from the 250 ms limit on either
+    # side (a busy machine can only make a reply later, and must stall the process for a
+    # quarter of a second to make one in time miss).
     async def main(selector: CountingSelector) -> None:
-        waiting = ReplyWait(limit=0.03)
-        for _ in range(7):  # misses on the 1st, 3rd and 7th: the next 7 waits skip it
-            await waited(waiting, selector, 0.06)
-        for _ in range(7):
+        waiting = ReplyWait(limit=0.25)
+        for _ in range(3):  # misses on the 1st and 3rd: the next 3 waits skip it
+            await waited(waiting, selector, 0.3)
+        for _ in range(3):
             assert await waited(waiting, selector, 0.003) <= 5
         for _ in range(5):
             assert await waited(waiting, selector, 0.003) > 5
-        # The misses were forgotten: one more skips one wait, not 15.
-        await waited(waiting, selector, 0.06)
+        # The misses were forgotten: one more skips one wait, not 7.
+        await waited(waiting, selector, 0.3)
         assert await waited(waiting, selector, 0.003) <= 5
         assert await waited(waiting, selector, 0.003) > 5
 

@@ -116,9 +116,11 @@ async def test_a_file_is_switched_to_wal_and_synced_in_full_unless_asked_otherwi
     path = tmp_path / "idempotency.db"
     store = await fresh_sql_store(f"sqlite:///{path}", **options)
     try:
-        assert (await store.claim("", "k", "f", ttl=60, lease=60)).token
-        # The level the claim committed with (2: FULL, 1: NORMAL): FULL commits wait for the
-        # disk in the worker thread, NORMAL ones run on the event loop's connection.
+        token = (await store.claim("", "k", "f", ttl=60, lease=60)).token
+        assert token is not None
+        assert await store.complete("", "k", token, None, ttl=60)
+        # The level the completion committed with (2: FULL, 1: NORMAL): FULL commits wait for
+        # the disk in the worker thread, NORMAL ones run on the event loop's connection.
         driver = store._driver
         assert isinstance(driver, SQLiteDriver)
         connection = driver._worker._connection if synchronous == 2 else driver._loop_connection

@@ -57,7 +57,10 @@ class SQLStore(SQLInspection, ClaimsWithToken):
     the URL names (see :func:`~idempotency_mw.stores.sql.drivers.open_driver`).
     ``operation_timeout`` bounds every database call (seconds). The store switches a SQLite
     file to WAL journal mode, in which readers and a writer of several processes do not wait
-    for each other, with ``synchronous=FULL``: a commit survives a power cut.
+    for each other, with ``synchronous=FULL``: a recorded answer survives a power cut. A claim's
+    commit there waits for no flush of its own (a crash that loses it ends every process that
+    could run under it, so a retry runs as after a lapsed lease); the completion's flush makes
+    it last.
     ``sqlite_wal=False`` leaves the file's journal mode as it is;
     ``sqlite_synchronous="NORMAL"`` makes commits much cheaper (no fsync each), and a power cut can
     then lose the latest ones (never corrupt the file).
@@ -130,6 +133,10 @@ class SQLStore(SQLInspection, ClaimsWithToken):
             "p_ttl_ms": int(ttl * 1000),
             "p_lease_ms": int(lease * 1000),
         }
+        # In a file of the callers' own machine, a claim that a crash lost is a lease that
+        # lapsed: every process that could run under it ended too. So its commit needs no flush
+        # of its own; the next one that waits for the disk (the completion) makes it last.
+        durable = durable and not self._driver.on_callers_machine
         # A record the read finds live decides the outcome without a write (a replay is one
         # statement). Otherwise the atomic upsert decides; if another request won it in between,
         # the next attempt reads that request's record.

@@ -29,6 +29,9 @@ class Driver(Protocol):
     """
 
     dialect_name: str
+    #: Whether the database is a file on its callers' own machine (SQLite): a crash that loses
+    #: its latest commits also ends every process that could have acted on them.
+    on_callers_machine: bool
     #: Where the driver connects (shown, without its password, in errors).
     url: URL
     #: Exceptions that mean "the database failed" (wrapped into StoreError by the store).

@@ -43,6 +43,7 @@ class SQLAlchemyDriver:
 
     def __init__(self, engine: AsyncEngine, *, owned: bool, in_autocommit: bool = False) -> None:
         self.dialect_name = engine.dialect.name
+        self.on_callers_machine = self.dialect_name == "sqlite"
         self.driver_name = engine.dialect.driver
         self.url = engine.url
         # Some drivers raise their own errors past SQLAlchemy (while a connection is set up).

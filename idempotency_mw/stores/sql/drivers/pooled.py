@@ -40,6 +40,7 @@ class PooledDriver(abc.ABC):
 
     def __init__(self, url: URL, dialect: Dialect, dialect_name: str) -> None:
         self.dialect_name = dialect_name
+        self.on_callers_machine = False
         self.url = url
         self._compile = CompileCache(dialect)
         self._pool: Any = None

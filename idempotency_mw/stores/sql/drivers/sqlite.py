@@ -103,6 +103,7 @@ class SQLiteDriver:
 
     def __init__(self, url: URL, *, wal: bool = True, synchronous: Synchronous = "FULL") -> None:
         self.dialect_name = "sqlite"
+        self.on_callers_machine = True
         self.url = url
         self._path = url.database or ""
         self._sync_url = url.set(drivername="sqlite+pysqlite")
