@@ -1,14 +1,15 @@
 """What a key adds to an MCP tool call, next to what it adds to an HTTP request, per store.
 
-In one run, on each store (MemoryStore, SQLite, Redis), four things are timed in turn, in
-rounds so that drift hits all alike: a plain tool call (the mcp SDK's in-process client and
-server, no key), a protected one (``IdempotentTools``, a fresh ``_meta.idempotencyKey`` each:
-claim, run, record), a plain HTTP request (hand-built ASGI into a Starlette endpoint behind
-the middleware, no key) and a keyed one (a fresh ``Idempotency-Key`` each). The figures are
-µs per call (p50), what the key adds in each, and the ratio of the two additions: at most 1
-means a protected tool call adds no more than a keyed HTTP request on that store.
+In one run, on each store (MemoryStore, SQLite, Redis), four things are timed in turn, one call
+of each after another, so that drift hits all alike: a plain tool call (the mcp SDK's
+in-process client and server, no key), a protected one (``IdempotentTools``, a fresh
+``_meta.idempotencyKey`` each: claim, run, record), a plain HTTP request (hand-built ASGI into
+a Starlette endpoint behind the middleware, no key) and a keyed one (a fresh
+``Idempotency-Key`` each). The figures are µs per call (p50), what the key adds in each, and
+the ratio of the two additions: at most 1 means a protected tool call adds no more than a
+keyed HTTP request on that store.
 
-    python -m benchmarks.tool_calls [-n 300] [--rounds 5] [--stores memory,sqlite,redis]
+    python -m benchmarks.tool_calls [-n 1500] [--stores memory,sqlite,redis]
 """
 
 from __future__ import annotations
@@ -84,17 +85,8 @@ def tool_server(store: Store) -> MCPServer:
     return server
 
 
-async def timed(n: int, one: Callable[[], Awaitable[object]]) -> list[float]:
-    values = []
-    for _ in range(n):
-        started = time.perf_counter()
-        await one()
-        values.append((time.perf_counter() - started) * 1e6)
-    return values
-
-
-async def measure(store: Store, n: int, rounds: int, warmup: int) -> dict[str, Summary]:
-    """Each kind's µs per call on ``store``, ``n`` calls per kind in each of ``rounds``."""
+async def measure(store: Store, n: int, warmup: int) -> dict[str, Summary]:
+    """Each kind's µs per call on ``store``, ``n`` calls of each."""
     app = http_app(store)
     samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
     async with Client(tool_server(store)) as client:
@@ -107,11 +99,16 @@ async def measure(store: Store, n: int, rounds: int, warmup: int) -> dict[str, S
             "http": lambda: call(app, "/tickets", BODY),
             "http+key": lambda: call(app, "/tickets", BODY, key=uuid.uuid4().hex),
         }
-        for one in kinds.values():
-            await timed(warmup, one)
-        for _ in range(rounds):
+        for _ in range(warmup):
+            for one in kinds.values():
+                await one()
+        # One call of each kind in turn: the machine's drift (other processes, a VM's
+        # neighbours) then weighs on the four alike, and the differences stay what the key adds.
+        for _ in range(n):
             for kind, one in kinds.items():
-                samples[kind] += await timed(n, one)
+                started = time.perf_counter()
+                await one()
+                samples[kind].append((time.perf_counter() - started) * 1e6)
     return {kind: Summary.of(values) for kind, values in samples.items()}
 
 
@@ -138,7 +135,7 @@ async def main_async(args: argparse.Namespace) -> str:
                 rows.append([name, *["-"] * 7 + ["server not running"]][:8])
                 continue
             try:
-                figures = await measure(store, args.calls, args.rounds, args.warmup)
+                figures = await measure(store, args.calls, args.warmup)
             finally:
                 await store.aclose()
                 if name == "redis":
@@ -156,8 +153,7 @@ async def main_async(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--calls", type=int, default=300, help="timed calls per round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of every kind in turn")
+    parser.add_argument("-n", "--calls", type=int, default=1500, help="timed calls of each kind")
     parser.add_argument("--warmup", type=int, default=50, help="untimed calls of each kind")
     parser.add_argument("--stores", default=",".join(STORES), help=f"of {','.join(STORES)}")
     args = parser.parse_args(argv)

@@ -216,7 +216,7 @@ class Hold:
             call.request.lease,
             claimed_at=call.claimed_at,
             on_lost=self._lost,
-            key_id=call.key_id,
+            key_id=lambda: call.key_id,  # hashed only if a log line needs it
             outlive=self.engine.outlive,
             clock=self.engine.clock,
         )

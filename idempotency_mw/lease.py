@@ -27,6 +27,7 @@ class LeaseKeeper:
     another request took the key over, ``on_lost`` is called once; the keeper then goes on
     renewing, so protection resumes if the store answers again (``lost`` stays true: the work
     was told). :meth:`keep` runs as a child of the work's task group, cancelled when it ends.
+    ``key_id()`` names the key in its log lines.
     """
 
     def __init__(
@@ -36,7 +37,7 @@ class LeaseKeeper:
         *,
         claimed_at: float,
         on_lost: Callable[[], None],
-        key_id: str,
+        key_id: Callable[[], str],
         outlive: Callable[[asyncio.Future[bool | None]], None],
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
@@ -72,7 +73,7 @@ class LeaseKeeper:
         while True:
             owned = await self._renewal_within_proof()
             if owned is False:
-                logger.warning("lost the lease of key %s to another request", self._key_id)
+                logger.warning("lost the lease of key %s to another request", self._key_id())
                 self._lose()
                 return
             if owned is None:
