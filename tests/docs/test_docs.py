@@ -91,11 +91,17 @@ def _environment(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **extra}
 
 
+#: The README's check that its install lines alone give the package and the framework.
+README_CHECK = (
+    "import fastapi, uvicorn, sqlalchemy; from idempotency_mw import SQLStore; print(SQLStore)"
+)
+
+
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """The python of a fresh venv holding the package from a wheel built of this checkout:
-    built once per run, the workers of ``pytest -n`` share it (the first builds it while the
-    others wait)."""
+    made once per run by the README's own wheel lines, then given the extras the pages use;
+    the workers of ``pytest -n`` share it (the first makes it while the others wait)."""
     run_folder = tmp_path_factory.getbasetemp()
     if worker_id != "master":
         run_folder = run_folder.parent  # the folder the workers of this run share
@@ -112,15 +118,44 @@ def installed(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
 
 
 def _install_the_wheel(where: Path) -> None:
-    built = _run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(where), "."]
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    (wheel,) = where.glob("idempotency_mw-*.whl")
-    env_dir = where / "venv"
-    venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "--quiet", f"{wheel}[{EXTRAS}]", *PAGE_PACKAGES]
+    """In ``where``: a fresh venv, the README's wheel lines typed into it one after the other
+    (the checkout's path for /path/to/idempotency-mw) and its check that they are enough, each
+    outcome kept in readme-install.json for the README's test; then the pages' extras."""
+    venv.create(where / "venv", with_pip=True)
+    bin_dir = where / "venv" / "bin"
+    env = _environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    lines = commands(marked("commands install"))
+    outcomes: list[dict[str, object]] = []
+    for line in (line for line in lines if " -e " not in line):  # the editable line is CI's
+        command = line.split("  #")[0].replace("/path/to/idempotency-mw", str(ROOT))
+        result = _run(["bash", "-c", command], cwd=where, env=env, timeout=600)
+        outcomes.append(
+            {"command": command, "code": result.returncode, "output": result.stdout + result.stderr}
+        )
+        if result.returncode != 0:
+            break
+    else:
+        result = _run([str(bin_dir / "python"), "-I", "-c", README_CHECK], cwd=where, env=env)
+        outcomes.append(
+            {
+                "command": README_CHECK,
+                "code": result.returncode,
+                "output": result.stdout + result.stderr,
+            }
+        )
+    (where / "readme-install.json").write_text(json.dumps(outcomes))
+    failed = [outcome for outcome in outcomes if outcome["code"] != 0]
+    assert not failed, f"the README's install lines failed here: {failed}"
+    (wheel,) = (where / "dist").glob("idempotency_mw-*.whl")
+    pip = [
+        str(bin_dir / "python"),
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        f"{wheel}[{EXTRAS}]",
+        *PAGE_PACKAGES,
+    ]
     installing = _run(pip, env=_environment(), timeout=600)
     assert installing.returncode == 0, installing.stdout + installing.stderr
 
@@ -209,25 +244,15 @@ def test_the_readme_quick_start_runs_as_written(installed: Path, tmp_path: Path)
     assert first.split("\n\n")[1] == again.split("\n\n")[1]  # the same body
 
 
-def test_the_readme_install_from_a_wheel_works_as_written(tmp_path: Path) -> None:
-    """The README's wheel lines, with the checkout's path for /path/to/idempotency-mw, in a
-    fresh venv: then the package and the framework import (the editable line is CI's own)."""
-    lines = commands(marked("commands install"))
-    wheel_lines = [line for line in lines if " -e " not in line]
-    assert len(wheel_lines) == 3, lines
-    venv.create(tmp_path / "venv", with_pip=True)
-    bin_dir = tmp_path / "venv" / "bin"
-    env = _environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    for line in wheel_lines:
-        command = line.split("  #")[0].replace("/path/to/idempotency-mw", str(ROOT))
-        result = _run(["bash", "-c", command], cwd=tmp_path, env=env, timeout=600)
-        assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
-    check = (
-        "import fastapi, uvicorn, sqlalchemy; from idempotency_mw import SQLStore; print(SQLStore)"
-    )
-    result = _run([str(bin_dir / "python"), "-I", "-c", check], cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "dist").is_dir()
+def test_the_readme_install_from_a_wheel_works_as_written(installed: Path) -> None:
+    """The README's wheel lines, typed into a fresh venv (the one the pages run in, before
+    their extras came), each succeeded, and then the package and the framework imported."""
+    outcomes = json.loads((installed.parents[2] / "readme-install.json").read_text())
+    assert [outcome["command"] for outcome in outcomes][-1] == README_CHECK, outcomes
+    assert len(outcomes) == 4, outcomes  # three wheel lines and the check
+    for outcome in outcomes:
+        assert outcome["code"] == 0, f"{outcome['command']}\n{outcome['output']}"
+    assert "SQLStore'>" in outcomes[-1]["output"]  # the package's own class was printed
 
 
 @pytest.mark.parametrize(
