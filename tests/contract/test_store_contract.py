@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import multiprocessing
+import functools
 import os
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +22,8 @@ from tests.conftest import (
     fresh_sql_store,
     require_server,
 )
+from tests.support import claimers
+from tests.support.claimers import outcomes_from_processes
 from tests.support.garbage import garbage_of_ours
 
 pytestmark = pytest.mark.anyio
@@ -295,45 +297,9 @@ async def test_times_come_from_the_store_not_the_worker_clock(
     assert claim.outcome is ClaimOutcome.IN_PROGRESS
 
 
-def _claim_in_process(url: str, results: multiprocessing.Queue[str]) -> None:
-    from idempotency_mw import SQLStore
-
-    async def run() -> None:
-        store = SQLStore(url)
-        outcomes: list[str] = []
-
-        async def claim() -> None:
-            result = await store.claim("", "shared", "f", ttl=TTL, lease=LEASE)
-            outcomes.append(result.outcome.value)
-
-        async with anyio.create_task_group() as group:
-            for _ in range(10):
-                group.start_soon(claim)
-        await store.aclose()
-        for outcome in outcomes:
-            results.put(outcome)
-
-    anyio.run(run)
-
-
 async def test_claims_from_several_processes_have_one_winner(
     database_url: str, sql_store: Store
 ) -> None:
-    context = multiprocessing.get_context("spawn")
-    results: multiprocessing.Queue[str] = context.Queue()
-    workers = [
-        context.Process(target=_claim_in_process, args=(database_url, results)) for _ in range(4)
-    ]
-    for worker in workers:
-        worker.start()
-
-    def collect() -> list[str]:
-        outcomes = [results.get(timeout=60) for _ in range(40)]
-        for worker in workers:
-            worker.join(timeout=30)
-            assert worker.exitcode == 0
-        return outcomes
-
-    outcomes = await anyio.to_thread.run_sync(collect)
+    outcomes = await outcomes_from_processes(functools.partial(claimers.sql_store, database_url))
     assert outcomes.count(ClaimOutcome.ACQUIRED.value) == 1
     assert outcomes.count(ClaimOutcome.IN_PROGRESS.value) == 39

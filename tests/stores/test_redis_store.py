@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
+import functools
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +16,8 @@ from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.stores.base import Store
 from idempotency_mw.stores.redis import RedisStore, scripts
 from tests.conftest import REDIS_URL, require_server
+from tests.support import claimers
+from tests.support.claimers import outcomes_from_processes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.servers]
 
@@ -257,38 +259,9 @@ async def test_concurrent_claims_acquire_exactly_once(store: RedisStore) -> None
     assert outcomes.count(ClaimOutcome.IN_PROGRESS) == 49
 
 
-def _claim_in_process(prefix: str, results: multiprocessing.Queue[str]) -> None:
-    async def run() -> None:
-        store = RedisStore(REDIS_URL, prefix=prefix)
-        try:
-            claims = await asyncio.gather(
-                *(store.claim(SCOPE, "shared", "fp", ttl=60, lease=30) for _ in range(10))
-            )
-        finally:
-            await store.aclose()
-        for result in claims:
-            results.put(result.outcome.value)
-
-    asyncio.run(run())
-
-
 async def test_claims_from_several_processes_have_one_winner(store: RedisStore) -> None:
-    context = multiprocessing.get_context("spawn")
-    results: multiprocessing.Queue[str] = context.Queue()
-    workers = [
-        context.Process(target=_claim_in_process, args=(store.prefix, results)) for _ in range(4)
-    ]
-    for worker in workers:
-        worker.start()
-
-    def collect() -> list[str]:
-        outcomes = [results.get(timeout=60) for _ in range(40)]
-        for worker in workers:
-            worker.join(timeout=30)
-            assert worker.exitcode == 0
-        return outcomes
-
-    outcomes = await asyncio.to_thread(collect)
+    opened = functools.partial(claimers.redis_store, REDIS_URL, store.prefix)
+    outcomes = await outcomes_from_processes(opened)
     assert outcomes.count(ClaimOutcome.ACQUIRED.value) == 1
     assert outcomes.count(ClaimOutcome.IN_PROGRESS.value) == 39
 
