@@ -1,13 +1,13 @@
 """What a key adds to an MCP tool call, next to what it adds to an HTTP request, per store.
 
 In one run, on each store (MemoryStore, SQLite, Redis), four things are timed in turn, one call
-of each after another, so that drift hits all alike: a plain tool call (the mcp SDK's
-in-process client and server, no key), a protected one (``IdempotentTools``, a fresh
-``_meta.idempotencyKey`` each: claim, run, record), a plain HTTP request (hand-built ASGI into
-a Starlette endpoint behind the middleware, no key) and a keyed one (a fresh
-``Idempotency-Key`` each). The figures are µs per call (p50), what the key adds in each, and
-the ratio of the two additions: at most 1 means a protected tool call adds no more than a
-keyed HTTP request on that store.
+of each after another in a shuffled order, so that drift and cold caches hit all alike: a plain
+tool call (the mcp SDK's in-process client and server, no key), a protected one
+(``IdempotentTools``, a fresh ``_meta.idempotencyKey`` each: claim, run, record), a plain HTTP
+request (hand-built ASGI into a Starlette endpoint behind the middleware, no key) and a keyed
+one (a fresh ``Idempotency-Key`` each). The figures are µs per call (p50), what the key adds in
+each, and the ratio of the two additions: at most 1 means a protected tool call adds no more
+than a keyed HTTP request on that store.
 
     python -m benchmarks.tool_calls [-n 1500] [--stores memory,sqlite,redis]
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import tempfile
 import time
 import uuid
@@ -102,12 +103,16 @@ async def measure(store: Store, n: int, warmup: int) -> dict[str, Summary]:
         for _ in range(warmup):
             for one in kinds.values():
                 await one()
-        # One call of each kind in turn: the machine's drift (other processes, a VM's
-        # neighbours) then weighs on the four alike, and the differences stay what the key adds.
+        # One call of each kind in turn, so that the machine's drift (other processes, a VM's
+        # neighbours) weighs on the four alike; in a shuffled order, since a call that follows
+        # one of the other entry starts on a cold cache, and a fixed order would favour a kind.
+        order = list(KINDS)
+        shuffler = random.Random(0)
         for _ in range(n):
-            for kind, one in kinds.items():
+            shuffler.shuffle(order)
+            for kind in order:
                 started = time.perf_counter()
-                await one()
+                await kinds[kind]()
                 samples[kind].append((time.perf_counter() - started) * 1e6)
     return {kind: Summary.of(values) for kind, values in samples.items()}
 
