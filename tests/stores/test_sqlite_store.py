@@ -17,7 +17,7 @@ import anyio.lowlevel
 import pytest
 
 from idempotency_mw import ConfigurationError, SQLStore, Store, StoreError
-from idempotency_mw.records import StoredResponse
+from idempotency_mw.records import ClaimOutcome, StoredResponse
 from idempotency_mw.stores.sql.drivers import Synchronous
 from idempotency_mw.stores.sql.drivers import sqlite as sqlite_driver
 from idempotency_mw.stores.sql.drivers.sqlite import SQLiteDriver
@@ -130,6 +130,38 @@ async def test_a_file_is_switched_to_wal_and_synced_in_full_unless_asked_otherwi
         await store.aclose()
     with closing(sqlite3.connect(path)) as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == mode
+
+
+async def test_a_store_opening_a_file_that_another_process_writes_waits_to_switch_it_to_wal(
+    tmp_path: Path,
+) -> None:
+    """On a file not yet in WAL, SQLite fails the switch at once while another connection
+    writes (its busy timeout does not apply there), as when several processes open a new
+    file together: the store tries again until the writer is done, within its deadline."""
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    # The table only, as a migration leaves it: the file is still in its default mode.
+    await (await fresh_sql_store(url, sqlite_wal=False)).aclose()
+    store = SQLStore(url)
+    outcomes: list[ClaimOutcome] = []
+
+    async def claim() -> None:
+        outcomes.append((await store.claim("", "k", "f", ttl=60, lease=60)).outcome)
+
+    try:
+        path = url.removeprefix("sqlite:///")
+        with closing(sqlite3.connect(path, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            async with anyio.create_task_group() as group:
+                group.start_soon(claim)
+                await anyio.sleep(0.3)
+                assert outcomes == []  # still waiting for the writer
+                other.execute("ROLLBACK")
+        await claim()
+        assert outcomes == [ClaimOutcome.ACQUIRED, ClaimOutcome.IN_PROGRESS]
+    finally:
+        await store.aclose()
+    with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 def test_normal_sync_outside_wal_is_refused(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
@@ -18,6 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 from sqlalchemy.sql.expression import Executable
 
+from idempotency_mw._backoff import Backoff
 from idempotency_mw.stores.sql.drivers.base import CompileCache, Rows, T
 
 #: SQLite's sync level for the store's connections.
@@ -31,6 +33,8 @@ _LONGEST_BUSY_WAIT = 30.0
 #: The granularity (seconds) of the waits for a lock: a wait is never longer than asked.
 _BUSY_STEP = 0.05
 _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+#: Pauses between tries to switch a file to WAL while another connection holds it.
+_WAL_SWITCH_RETRY = Backoff(first=0.001, cap=_BUSY_STEP)
 WalState = Literal["idle", "checkpointing", "restarting"]
 
 
@@ -132,7 +136,7 @@ class SQLiteDriver:
         )
         _busy_wait(connection, busy_seconds)
         if self._wal:
-            connection.execute("PRAGMA journal_mode=WAL")
+            _switch_to_wal(connection, time.monotonic() + busy_seconds)
         connection.execute(f"PRAGMA synchronous={synchronous or self._synchronous}")
         return connection
 
@@ -249,6 +253,21 @@ class SQLiteDriver:
 def _busy_wait(connection: Any, seconds: float) -> None:
     """How long ``connection`` waits for another's lock before it fails (SQLITE_BUSY)."""
     connection.execute(f"PRAGMA busy_timeout={_busy_milliseconds(seconds)}")
+
+
+def _switch_to_wal(connection: sqlite3.Connection, deadline: float) -> None:
+    """Put the file in WAL, retrying until ``deadline`` while another connection holds a lock:
+    SQLite fails the switch at once then (its busy timeout does not apply), as when several
+    processes open a new file together."""
+    for attempt in itertools.count():
+        try:
+            connection.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            left = deadline - time.monotonic()
+            if exc.sqlite_errorcode & 0xFF not in _BUSY or left <= 0:
+                raise
+            time.sleep(_WAL_SWITCH_RETRY.delay(attempt, limit=left))
 
 
 def _busy_milliseconds(seconds: float) -> int:
