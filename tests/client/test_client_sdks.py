@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import openai
 import pytest
 from fastapi import FastAPI
@@ -157,6 +156,8 @@ async def test_without_a_key_the_sdks_retry_runs_the_handler_again(
 async def test_an_anthropic_call_keeps_its_key_across_the_sdks_retry(
     service: tuple[str, LosesFirstResponses, Counter[str]], tmp_path: Path
 ) -> None:
+    import anthropic  # here: slow to import, and every worker collects this module
+
     url, proxy, runs = service
     ai = anthropic.AsyncAnthropic(api_key="sk-test", base_url=url, max_retries=2)
     async with ai, IdempotentClient(journal=tmp_path / "journal.sqlite3") as client:

@@ -4,9 +4,8 @@ once, never retried."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import pytest
 from fastapi import FastAPI, Request
 
@@ -14,6 +13,9 @@ from idempotency_mw import IdempotencyMiddleware
 from idempotency_mw.testing import MemoryStore
 from tests.support.faults import serve
 from tests.support.sdk_server import Answers
+
+if TYPE_CHECKING:  # imported where used: slow to import, and every worker collects this module
+    import anthropic
 
 pytestmark = pytest.mark.anyio
 
@@ -60,10 +62,14 @@ def ask(client: anthropic.AsyncAnthropic, prompt: str, key: str) -> Any:
 
 
 def sdk(url: str, api_key: str = "key-1") -> anthropic.AsyncAnthropic:
+    import anthropic
+
     return anthropic.AsyncAnthropic(base_url=url, api_key=api_key, max_retries=MAX_RETRIES)
 
 
 async def test_the_anthropic_sdk_replays_and_does_not_retry_a_mismatch() -> None:
+    import anthropic
+
     answers = Answers()
     runs: list[str] = []
     async with serve(answers.around(message_service(runs))) as url, sdk(url) as client:
@@ -79,6 +85,8 @@ async def test_the_anthropic_sdk_replays_and_does_not_retry_a_mismatch() -> None
 
 
 async def test_the_anthropic_sdk_does_not_retry_a_credential_mismatch() -> None:
+    import anthropic
+
     answers = Answers()
     runs: list[str] = []
     async with serve(answers.around(message_service(runs))) as url:
