@@ -148,14 +148,11 @@ async def test_a_store_opening_a_file_that_another_process_writes_waits_to_switc
         outcomes.append((await store.claim("", "k", "f", ttl=60, lease=60)).outcome)
 
     try:
-        path = url.removeprefix("sqlite:///")
-        with closing(sqlite3.connect(path, isolation_level=None)) as other:
-            other.execute("BEGIN IMMEDIATE")
-            async with anyio.create_task_group() as group:
+        async with anyio.create_task_group() as group:
+            with locked(url, "IMMEDIATE"):
                 group.start_soon(claim)
                 await anyio.sleep(0.3)
                 assert outcomes == []  # still waiting for the writer
-                other.execute("ROLLBACK")
         await claim()
         assert outcomes == [ClaimOutcome.ACQUIRED, ClaimOutcome.IN_PROGRESS]
     finally:
