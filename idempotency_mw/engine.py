@@ -10,16 +10,15 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 
 from idempotency_mw.exceptions import StoreError
 from idempotency_mw.fence import CurrentClaim
-from idempotency_mw.lease import Clock, LeaseKeeper
+from idempotency_mw.lease import Clock, KeeperStarts, LeaseKeeper, LoopStarts
 from idempotency_mw.metrics import Event, EventHook, EventKind, key_hash
 from idempotency_mw.options import LeaseLostAction
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
@@ -40,11 +39,15 @@ _OUTCOME_EVENTS = {
     ClaimOutcome.COMMITTED_WITHOUT_RESPONSE: EventKind.COMMITTED_WITHOUT_RESPONSE,
 }
 
+#: A store call's keywords (see :meth:`Call._flush`); never changed.
+_DURABLE: Mapping[str, bool] = {}
+_NOT_DURABLE: Mapping[str, bool] = {"durable": False}
 
-@dataclass(frozen=True, slots=True)
-class ClaimRequest:
+
+class ClaimRequest(NamedTuple):
     """What one call asks of the engine: its key in its scope, the fingerprint of what it
-    means, the digest of its credentials, and its times in seconds."""
+    means, the digest of its credentials, and its times in seconds. (A named tuple: one is
+    made for every call, immutable and cheaper to make than a frozen dataclass.)"""
 
     scope: str
     key: str
@@ -92,6 +95,7 @@ class ClaimEngine:
         self._unfenced: set[tuple[str, str]] = set()
         #: Store calls sent for work that has ended, seen to their end (see :meth:`aclose`).
         self._unfinished: set[asyncio.Future[Any]] = set()
+        self.keeper_starts = KeeperStarts()
 
     def outlive(self, call: asyncio.Future[Any]) -> None:
         """See ``call``, a store call sent for work that ended, to its end: cut short, it
@@ -109,6 +113,7 @@ class ClaimEngine:
         and stop the settlement feed's watcher."""
         if self._unfinished:
             await asyncio.wait(set(self._unfinished))
+        self.keeper_starts.close()
         await self.settlements.stop()
 
     def answered_unfenced(self, method: str, route: str) -> None:
@@ -168,7 +173,7 @@ class Hold:
         #: The lease keeper: started a third of the lease after the claim (most work ends
         #: sooner), then a child of the block, awaited when it ends.
         self._keeper: LeaseKeeper | None = None
-        self._starting: asyncio.TimerHandle | None = None
+        self._starts: LoopStarts | None = None
         self._keeping: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Hold:
@@ -235,14 +240,13 @@ class Hold:
         )
         call.emit(EventKind.CLAIM_STARTED)
         self._keeper = keeper
-        self._starting = asyncio.get_running_loop().call_later(
-            keeper.first_renewal_in(), self._start_keeping
-        )
+        self._starts = self.engine.keeper_starts.on_this_loop()
+        self._starts.add(self, keeper.first_renewal_in(), self._start_keeping)
         return self.claim_held
 
     def _start_keeping(self) -> None:
         assert self._keeper is not None
-        self._starting = None
+        self._starts = None
         self._keeping = asyncio.ensure_future(self._keeper.keep())
 
     def _lost(self) -> None:
@@ -276,8 +280,8 @@ class Hold:
         if self._keeper is None:
             return
         self._keeper = None
-        if self._starting is not None:
-            self._starting.cancel()
+        if self._starts is not None:
+            self._starts.discard(self)
         keeping, self._keeping = self._keeping, None
         if keeping is None:
             assert self.call is not None
@@ -437,9 +441,9 @@ class Call:
         finally:
             self._settled()
 
-    def _flush(self, skipped: bool) -> dict[str, bool]:
+    def _flush(self, skipped: bool) -> Mapping[str, bool]:
         """The store call's keywords: ``durable=False`` when its flush may be skipped."""
-        return {"durable": False} if skipped and self.engine.skips_flushes else {}
+        return _NOT_DURABLE if skipped and self.engine.skips_flushes else _DURABLE
 
     def _settled(self) -> None:
         if self.request.wait:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 import logging
 
-import anyio
 from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw._asgi import ReplayReceive, ResponseRecorder, send_replay
+from idempotency_mw._shielding import shielded
 from idempotency_mw.door import ENDPOINT, ROUTE
 from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, Hold, LeaseUnproven
 from idempotency_mw.exceptions import EffectCommitted, LeaseLost, StoreError
@@ -199,10 +199,15 @@ class Exchange:
                 entry = await self._kept(call, claimed)
                 if entry is None:
                     return
+            # Claimed before the app ran, what it sends goes one way; claimed at the door, the
+            # way changes there.
+            send: Send = self._send_from_app
+            if entry is not None:
+                send = recorder.send if isinstance(entry, CurrentClaim) else self.send
             reset = current_claim.set(entry)
             entrance = current_entrance.set(None if self._doors is None else self)
             try:
-                await self._run_app(ReplayReceive(body, self.receive), recorder)
+                await self._run_app(ReplayReceive(body, self.receive), send, recorder)
             finally:
                 current_entrance.reset(entrance)
                 current_claim.reset(reset)
@@ -210,9 +215,9 @@ class Exchange:
             if not hold.stopped:
                 await self._settle(recorder)
 
-    async def _run_app(self, receive: Receive, recorder: ResponseRecorder) -> None:
+    async def _run_app(self, receive: Receive, send: Send, recorder: ResponseRecorder) -> None:
         try:
-            await self.app(self.scope, receive, self._send_from_app)
+            await self.app(self.scope, receive, send)
         except AnsweredInstead:
             pass  # fence() in a dependency found a replay or a refusal, answered already
         except EffectCommitted:
@@ -364,8 +369,7 @@ class Exchange:
         if self._settled or hold is None or hold.call is None or hold.claim_held is None:
             return
         self._settled = True
-        with anyio.CancelScope(shield=True):
-            await self._record_or_release(hold.call, hold.claim_held.token, recorder)
+        await shielded(self._record_or_release(hold.call, hold.claim_held.token, recorder))
 
     async def _record_or_release(self, call: Call, token: str, recorder: ResponseRecorder) -> None:
         """Once the endpoint began, its effect may have happened: every response below 500 is
