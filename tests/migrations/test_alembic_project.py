@@ -21,6 +21,7 @@ import idempotency_mw
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import SCHEMA_REVISION, TABLE_NAME
 from tests.conftest import DATABASES, SERVER_DATABASES, require_server
+from tests.support import warm
 from tests.support.readme import commands, marked, settings
 from tests.support.scratch import scratch_database
 
@@ -83,16 +84,7 @@ class Project:
 
     def shell(self, line: str) -> subprocess.CompletedProcess[str]:
         """Run one command line as typed into a shell in the project's folder."""
-        return subprocess.run(
-            line,
-            shell=True,
-            cwd=self.root,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            check=False,
-        )
+        return warm.shell(line, cwd=self.root, env=self.env, timeout=TIMEOUT)
 
     def run(self, line: str) -> str:
         result = self.shell(line)

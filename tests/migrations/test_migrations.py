@@ -30,6 +30,7 @@ from idempotency_mw.cli import main
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.migrate import alembic_config, upgrade
 from idempotency_mw.stores.sql.schema import SCHEMA_REVISION, TABLE_NAME, metadata, records
+from tests.support import warm
 
 T = TypeVar("T")
 
@@ -55,15 +56,18 @@ def _run(
     base = {
         k: v for k, v in os.environ.items() if k not in ("IDEMPOTENCY_DATABASE_URL", "PYTHONPATH")
     }
-    result = subprocess.run(
-        args,
-        cwd=cwd,
-        env={**base, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT,
-        check=False,
-    )
+    if warm.is_warm(args[0]):
+        result = warm.run(args, cwd=cwd, env={**base, **(env or {})}, timeout=SUBPROCESS_TIMEOUT)
+    else:
+        result = subprocess.run(
+            args,
+            cwd=cwd,
+            env={**base, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=SUBPROCESS_TIMEOUT,
+            check=False,
+        )
     assert result.returncode == 0, (
         f"{args} exited with {result.returncode}\n"
         f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -200,6 +201,39 @@ async def test_a_server_that_never_answers_times_out() -> None:
         await store.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_connection_whose_caller_gave_up_fails_without_an_unretrieved_error() -> None:
+    # The store's operation timeout can end the wait for a connection just before the
+    # connection's own timeout fails it: nobody awaits that failure any more, and asyncio
+    # would report an exception that was never retrieved.
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(100):
+            pass
+
+    reported: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: reported.append(context))
+    server, port = await serve(silent)
+    # With a password, opening waits for the server to answer the login.
+    address = Address(host="127.0.0.1", port=port, password="secret")
+    connection = PipelinedConnection(address, timeout=0.2)
+    try:
+        gave_up = False
+        try:
+            async with asyncio.timeout(0.05):
+                await connection.execute("PING")
+        except TimeoutError:  # not kept: its traceback would keep the connection's task
+            gave_up = True
+        assert gave_up
+        await asyncio.sleep(0.4)  # the connection's own timeout has failed it meanwhile
+        del connection
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        asyncio.get_running_loop().set_exception_handler(None)
+        server.close()
+        await server.wait_closed()
+    assert reported == []
 
 
 async def test_a_refused_connection_is_a_store_error() -> None:

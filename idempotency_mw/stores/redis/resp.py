@@ -201,11 +201,19 @@ class PipelinedConnection:
             opening.done() and (opening.exception() is not None or opening.result().lost)
         ):
             opening = self._connecting = asyncio.ensure_future(self._open())
+            # Its callers may all give up before it fails: its failure is theirs, or no one's.
+            opening.add_done_callback(_seen)
         self._protocol = await asyncio.shield(opening)
         return self._protocol
 
     async def _open(self) -> RespProtocol:
         return await open_protocol(self._address, reply_timeout=self._timeout)
+
+
+def _seen(future: asyncio.Future[Any]) -> None:
+    """Mark ``future``'s failure as seen (asyncio reports one that no one retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def open_protocol(
