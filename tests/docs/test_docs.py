@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import venv
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,14 @@ import pytest
 from tests.conftest import MARIADB_URL, POSTGRESQL_URL, REDIS_URL
 from tests.support.faults import free_port
 from tests.support.readme import ROOT, Block, blocks, commands, marked, pages
+from tests.support.warm import WarmPython
 
 #: The extras the blocks need, and the framework and server the package leaves to its user.
 EXTRAS = "postgresql,mysql,redis,client,prometheus,otel,mcp,example"
 #: What pages use beside the package: the SDKs whose calls they show a key for.
 PAGE_PACKAGES = ("openai", "anthropic")
+#: What most pages import, imported once by the python the pages run in.
+PRELOADED = ["idempotency_mw", "fastapi", "httpx", "sqlalchemy.ext.asyncio"]
 RUFF = Path(sys.executable).parent / "ruff"
 MKDOCS = Path(sys.executable).parent / "mkdocs"
 
@@ -160,7 +164,15 @@ def _install_the_wheel(where: Path) -> None:
     assert installing.returncode == 0, installing.stdout + installing.stderr
 
 
-def run_page(python: Path, page: Path, folder: Path) -> subprocess.CompletedProcess[str]:
+@pytest.fixture(scope="session")
+def page_python(installed: Path) -> Iterator[WarmPython]:
+    """The venv's python, warm, with what most pages import already imported."""
+    python = WarmPython(installed, PRELOADED)
+    yield python
+    python.close()
+
+
+def run_page(python: WarmPython, page: Path, folder: Path) -> subprocess.CompletedProcess[str]:
     """Run a page's blocks in order with the venv's python (isolated: no PYTHONPATH, no cwd)."""
     runnable = [
         {"where": _where(page, block), "text": block.text}
@@ -169,25 +181,27 @@ def run_page(python: Path, page: Path, folder: Path) -> subprocess.CompletedProc
     ]
     # Blocks that need a server read these: the run's own databases, never a shared one.
     env = _environment(POSTGRESQL_URL=POSTGRESQL_URL, MARIADB_URL=MARIADB_URL, REDIS_URL=REDIS_URL)
-    return _run([str(python), "-I", "-c", RUNNER], cwd=folder, env=env, stdin=json.dumps(runnable))
+    return python.run(RUNNER, stdin=json.dumps(runnable), cwd=folder, env=env, timeout=300)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
 def test_the_python_blocks_of_a_page_run_from_the_wheel(
-    installed: Path, page: Path, tmp_path: Path
+    page_python: WarmPython, page: Path, tmp_path: Path
 ) -> None:
-    result = run_page(installed, page, tmp_path)
+    result = run_page(page_python, page, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_package_comes_from_the_wheel_not_the_checkout(installed: Path, tmp_path: Path) -> None:
+def test_the_package_comes_from_the_wheel_not_the_checkout(
+    installed: Path, page_python: WarmPython, tmp_path: Path
+) -> None:
     """A block that imports the checkout's example_app fails; the package is the venv's."""
     page = tmp_path / "page.md"
     page.write_text(
         "```python\nimport idempotency_mw\n\nprint(idempotency_mw.__file__)\n```\n\n"
         "```python\nimport example_app\n```\n"
     )
-    result = run_page(installed, page, tmp_path)
+    result = run_page(page_python, page, tmp_path)
     assert result.returncode != 0
     assert "ModuleNotFoundError: No module named 'example_app'" in result.stderr
     assert "page.md:8 failed" in result.stderr

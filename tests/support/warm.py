@@ -1,24 +1,30 @@
-"""This venv's console scripts (``alembic``, ``idempotency-mw``) run as commands, each in a fresh
-fork of a process that imported their libraries once.
+"""Commands run in forks of a warm interpreter that imported their libraries once.
 
-The migration tests run about a hundred such commands; a new interpreter spends most of each
-one importing Alembic and SQLAlchemy before the command's own work. Here each command is a
-fork of a warm process (multiprocessing's forkserver, with those libraries preloaded), in
-which the console script's entry point runs as the script would run it: its own working
-folder, environment, ``sys.argv`` and ``sys.path`` (the script's folder first, then
-``PYTHONPATH``, then the venv's), its output on its own file descriptors, its exit code from
-``sys.exit``. ``idempotency_mw`` itself is not preloaded: each command imports it from
+The migration tests run about a hundred commands of this venv's console scripts (``alembic``,
+``idempotency-mw``), and the docs' tests run each page's blocks in a python of the wheel's
+venv; a new interpreter spends most of each run importing Alembic, SQLAlchemy or FastAPI before
+the command's own work. Here each run is a fork of a warm process, in which the command runs
+as its interpreter would run it: its own working folder, environment, ``sys.argv`` and
+``sys.path``, its output on its own file descriptors, its exit code.
+
+:func:`run` and :func:`shell`: console scripts, in multiprocessing's forkserver with Alembic
+and SQLAlchemy preloaded (the script's folder first on ``sys.path``, then ``PYTHONPATH``,
+then the venv's). ``idempotency_mw`` itself is not preloaded: each command imports it from
 wherever its ``PYTHONPATH`` says (the checkout, or an unpacked wheel).
+:class:`WarmPython`: ``python -I -c program`` of another venv.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import json
 import multiprocessing
 import os
+import selectors
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -156,3 +162,93 @@ def _run_script(
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+#: Run by another venv's ``python -I -c``: imports ``sys.argv[1:]`` once, then for each request
+#: (a JSON line on stdin: program, its stdin, cwd, environment, output files) forks a child
+#: that runs the program as ``python -I -c program`` would, and answers its exit code.
+_SERVER = """
+import io, json, os, sys, traceback
+for name in sys.argv[1:]:
+    __import__(name)
+for line in sys.stdin:
+    request = json.loads(line)
+    child = os.fork()
+    if child == 0:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for descriptor, target in ((1, request["stdout"]), (2, request["stderr"])):
+            opened = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(opened, descriptor)
+            os.close(opened)
+        sys.stdin = io.StringIO(request["stdin"])
+        code = 0
+        try:
+            exec(compile(request["program"], "<string>", "exec"), {"__name__": "__main__"})
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+            if not isinstance(exit.code, int | None):
+                print(exit.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(child, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+class WarmPython:
+    """Another venv's ``python``, kept warm: :meth:`run` is ``python -I -c program`` (with
+    ``stdin``, in ``cwd``, with ``env``), run in a fork of one isolated interpreter of that
+    venv that imported ``preloaded`` once."""
+
+    def __init__(self, python: Path, preloaded: list[str]) -> None:
+        self._server = subprocess.Popen(
+            [str(python), "-I", "-c", _SERVER, *preloaded],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its children too end with it
+        )
+
+    def run(
+        self, program: str, *, stdin: str, cwd: Path, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        assert self._server.stdin is not None
+        assert self._server.stdout is not None
+        with tempfile.TemporaryDirectory(prefix="warm-") as folder:
+            stdout, stderr = Path(folder) / "stdout", Path(folder) / "stderr"
+            request = {
+                "program": program,
+                "stdin": stdin,
+                "cwd": str(cwd),
+                "env": env,
+                "stdout": str(stdout),
+                "stderr": str(stderr),
+            }
+            self._server.stdin.write(json.dumps(request) + "\n")
+            self._server.stdin.flush()
+            with selectors.DefaultSelector() as selector:
+                selector.register(self._server.stdout, selectors.EVENT_READ)
+                if not selector.select(timeout):
+                    self.close()
+                    raise subprocess.TimeoutExpired(program, timeout)
+            answer = self._server.stdout.readline()
+            assert answer, f"the warm python ended: {stderr.read_text()}"
+            args = ["python", "-I", "-c", program]
+            return subprocess.CompletedProcess(
+                args, int(answer), stdout.read_text(), stderr.read_text()
+            )
+
+    def close(self) -> None:
+        """End the warm python, and a program it still runs."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._server.pid, signal.SIGKILL)
+        self._server.wait()
+        for pipe in (self._server.stdin, self._server.stdout):
+            if pipe is not None:
+                pipe.close()
