@@ -178,8 +178,11 @@ class LoopStarts:
 
     def _fire(self) -> None:
         when, self._timer, self._timer_at = self._timer_at, None, math.inf
-        due = [work for work, (at, _) in self._waiting.items() if at <= when]
-        for work in due:
+        # Earliest first (the timer may fire late, several starts due); n breaks ties.
+        due = sorted(
+            (at, n, work) for n, (work, (at, _)) in enumerate(self._waiting.items()) if at <= when
+        )
+        for _, _, work in due:
             _, start = self._waiting.pop(work)
             start()
         if self._waiting:
