@@ -56,13 +56,14 @@ def _run(
     base = {
         k: v for k, v in os.environ.items() if k not in ("IDEMPOTENCY_DATABASE_URL", "PYTHONPATH")
     }
+    env = {**base, **(env or {})}
     if warm.is_warm(args[0]):
-        result = warm.run(args, cwd=cwd, env={**base, **(env or {})}, timeout=SUBPROCESS_TIMEOUT)
+        result = warm.run(args, cwd=cwd, env=env, timeout=SUBPROCESS_TIMEOUT)
     else:
         result = subprocess.run(
             args,
             cwd=cwd,
-            env={**base, **(env or {})},
+            env=env,
             capture_output=True,
             text=True,
             timeout=SUBPROCESS_TIMEOUT,

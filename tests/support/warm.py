@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import selectors
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,10 +80,9 @@ def _base_path() -> tuple[str, ...]:
 
 
 def is_warm(command: str) -> bool:
-    """Whether ``command`` (a name, or a path in this venv's bin folder) runs warm."""
+    """Whether ``command`` (a path) is one of this venv's console scripts that run warm."""
     path = Path(command)
-    in_this_venv = path.parent == Path(sys.executable).parent or path.parent == Path()
-    return in_this_venv and path.name in _entry_points()
+    return path.parent == Path(sys.executable).parent and path.name in _entry_points()
 
 
 def shell(
@@ -94,7 +94,8 @@ def shell(
     lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     words = list(lexer)
-    if words and is_warm(words[0]) and not any(set(word) <= _OPERATORS for word in words):
+    found = shutil.which(words[0], path=env.get("PATH")) if words else None  # as the shell would
+    if found and is_warm(found) and not any(set(word) <= _OPERATORS for word in words):
         split = subprocess.run(
             ["/bin/sh", "-c", f"printf '%s\\0' {line}"],
             cwd=cwd,
