@@ -125,12 +125,14 @@ class ResponseRecorder:
         kind = message["type"]
         if kind == "http.response.start":
             self.status = int(message["status"])
-            self.headers = tuple(
-                (bytes(name), bytes(value))
-                for name, value in message.get("headers", ())
-                if self._records_header(bytes(name).lower())
-            )
-            if sum(len(name) + len(value) for name, value in self.headers) > self._max_headers:
+            kept: list[tuple[bytes, bytes]] = []
+            size = 0
+            for name, value in message.get("headers", ()):
+                if self._records_header(bytes(name).lower()):
+                    kept.append((bytes(name), bytes(value)))
+                    size += len(name) + len(value)
+            self.headers = tuple(kept)
+            if size > self._max_headers:
                 self._refuse("its headers exceed max_header_bytes", too_large=True)
             if message.get("trailers", False):
                 self._refuse("it has trailers")

@@ -39,7 +39,7 @@ _OUTCOME_EVENTS = {
     ClaimOutcome.COMMITTED_WITHOUT_RESPONSE: EventKind.COMMITTED_WITHOUT_RESPONSE,
 }
 
-#: A store call's keywords (see :meth:`Call._flush`); never changed.
+#: A store call's keywords: ``durable=False`` when its flush may be skipped; never changed.
 _DURABLE: Mapping[str, bool] = {}
 _NOT_DURABLE: Mapping[str, bool] = {"durable": False}
 
@@ -225,7 +225,7 @@ class Hold:
             outlive=self.engine.outlive,
             clock=self.engine.clock,
         )
-        if not await keeper.prove_before_start():
+        if not keeper.proven_to_start() and not await keeper.renew_to_start():
             raise LeaseUnproven
         request = call.request
         self.claim_held = CurrentClaim(
@@ -238,7 +238,8 @@ class Hold:
             binding=request.binding,
             lease=request.lease,
         )
-        call.emit(EventKind.CLAIM_STARTED)
+        if call.hook is not None:
+            call.emit(EventKind.CLAIM_STARTED)
         self._keeper = keeper
         self._starts = self.engine.keeper_starts.on_this_loop()
         self._starts.add(self, keeper.first_renewal_in(), self._start_keeping)
@@ -285,7 +286,8 @@ class Hold:
         keeping, self._keeping = self._keeping, None
         if keeping is None:
             assert self.call is not None
-            self.call.emit(EventKind.CLAIM_ENDED)
+            if self.call.hook is not None:
+                self.call.emit(EventKind.CLAIM_ENDED)
             return
         keeping.cancel()
         with anyio.CancelScope(shield=True):
@@ -309,6 +311,11 @@ class Call:
         self.request = request
         self.method = method
         self.route = route
+        #: The engine's ``on_event`` hook; without one, no event is made (the call sites
+        #: check it, since this runs for every call).
+        self.hook = engine.on_event
+        #: Whether the store calls of this call may skip their own flush (``durable=False``).
+        self._flush_skippable = request.fenced and engine.skips_flushes
         self._key_id = ""
         #: When (monotonic) the claim that decided the outcome was sent.
         self.claimed_at = 0.0
@@ -323,13 +330,8 @@ class Call:
 
     def emit(self, kind: EventKind, **details: Any) -> None:
         """Report an event to the ``on_event`` hook, if there is one."""
-        hook = self.engine.on_event
-        if hook is not None:
-            hook(Event(kind, self.key_id, self.method, self.route, **details))
-
-    def call_store(self, operation: str, call: Awaitable[T]) -> Awaitable[T]:
-        """A store call: ``call`` itself, or timed and reported when there is a hook."""
-        return call if self.engine.on_event is None else self._reported(operation, call)
+        if self.hook is not None:
+            self.hook(Event(kind, self.key_id, self.method, self.route, **details))
 
     async def _reported(self, operation: str, call: Awaitable[T]) -> T:
         started_at, started = time.time(), time.perf_counter()
@@ -360,23 +362,22 @@ class Call:
         request, engine = self.request, self.engine
         deadline = engine.clock() + request.wait
         polls = 0
-        flush = self._flush(request.fenced)
+        flush = _NOT_DURABLE if self._flush_skippable else _DURABLE
         while True:
             self.claimed_at = claimed_at = engine.clock()
-            claim = await self.call_store(
-                "claim",
-                engine.store.claim(
-                    request.scope,
-                    request.key,
-                    request.fingerprint,
-                    ttl=request.ttl,
-                    lease=request.lease,
-                    binding=request.binding,
-                    **flush,
-                ),
+            store_call = engine.store.claim(
+                request.scope,
+                request.key,
+                request.fingerprint,
+                ttl=request.ttl,
+                lease=request.lease,
+                binding=request.binding,
+                **flush,
             )
+            claim = await (store_call if self.hook is None else self._reported("claim", store_call))
             if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:
-                self.emit(_OUTCOME_EVENTS[claim.outcome])
+                if self.hook is not None:
+                    self.emit(_OUTCOME_EVENTS[claim.outcome])
                 return claim
             pause = min(engine.settlements.polling.delay(polls), deadline - claimed_at)
             await engine.settlements.wait(self.key_id, pause, since=claimed_at)
@@ -386,10 +387,10 @@ class Call:
         """Renew the lease: whether ``token`` still owns the key (``None``: the store failed)."""
         request = self.request
         try:
-            return await self.call_store(
-                "renew",
-                self.engine.store.renew(request.scope, request.key, token, lease=request.lease),
+            store_call = self.engine.store.renew(
+                request.scope, request.key, token, lease=request.lease
             )
+            return await (store_call if self.hook is None else self._reported("renew", store_call))
         except StoreError as exc:
             logger.warning("could not renew the lease of key %s: %s", self.key_id, exc)
             return None
@@ -408,22 +409,23 @@ class Call:
         if request.fenced and not fenced:
             self.engine.answered_unfenced(self.method, self.route)
         try:
-            owned = await self.call_store(
-                "complete",
-                self.engine.store.complete(
-                    request.scope,
-                    request.key,
-                    token,
-                    response,
-                    ttl=request.ttl,
-                    **self._flush(request.fenced and fenced),
-                ),
+            store_call = self.engine.store.complete(
+                request.scope,
+                request.key,
+                token,
+                response,
+                ttl=request.ttl,
+                **(_NOT_DURABLE if self._flush_skippable and fenced else _DURABLE),
+            )
+            owned = await (
+                store_call if self.hook is None else self._reported("complete", store_call)
             )
         except StoreError as exc:
             logger.error("could not record the response of key %s: %s", self.key_id, exc)
             return
         finally:
-            self._settled()
+            if request.wait:
+                self._settled()
         if not owned:
             logger.warning("key %s was taken over before its outcome was recorded", self.key_id)
 
@@ -432,20 +434,15 @@ class Call:
         happen)."""
         request = self.request
         try:
-            if await self.call_store(
-                "release", self.engine.store.release(request.scope, request.key, token)
-            ):
+            store_call = self.engine.store.release(request.scope, request.key, token)
+            if await (store_call if self.hook is None else self._reported("release", store_call)):
                 self.emit(EventKind.RELEASED)
         except StoreError as exc:
             logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)
         finally:
-            self._settled()
-
-    def _flush(self, skipped: bool) -> Mapping[str, bool]:
-        """The store call's keywords: ``durable=False`` when its flush may be skipped."""
-        return _NOT_DURABLE if skipped and self.engine.skips_flushes else _DURABLE
+            if request.wait:
+                self._settled()
 
     def _settled(self) -> None:
-        if self.request.wait:
-            # Calls of this route may be waiting (one of another route polls).
-            self.engine.settlements.settled(self.key_id)
+        """Calls of this route may be waiting for the key (one of another route polls)."""
+        self.engine.settlements.settled(self.key_id)

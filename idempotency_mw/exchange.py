@@ -151,8 +151,8 @@ class Exchange:
         call: Call | None = None
         claimed: Claim | str | None = None
         if not scoped:
-            call = await self._call_for(None)
-            claimed = None if call is None else await self._claimed(call)
+            call = self._new_call(self._caller, self._binding)
+            claimed = await self._claimed(call)
             if claimed is None:
                 return
         recorder = self._recorder = ResponseRecorder(
@@ -207,38 +207,34 @@ class Exchange:
             reset = current_claim.set(entry)
             entrance = current_entrance.set(None if self._doors is None else self)
             try:
-                await self._run_app(ReplayReceive(body, self.receive), send, recorder)
+                await self.app(self.scope, ReplayReceive(body, self.receive), send)
+            except AnsweredInstead:
+                pass  # fence() in a dependency found a replay or a refusal, answered already
+            except EffectCommitted:
+                if recorder.status is not None:
+                    raise
+                # fence() found the proof of an earlier run that committed (the store forgot it):
+                # the answer is recorded, so a retry is told the same without running again.
+                self._began = self._refused_by_proof = True
+                problem, status, detail = _REFUSALS[ClaimOutcome.COMMITTED_WITHOUT_RESPONSE]
+                await send_problem(
+                    recorder.send, problem, status, detail, retry_after=self.options.retry_after
+                )
+            except LeaseLost:
+                if recorder.status is not None:
+                    raise
+                # fence() found the key taken over, and the app's transaction rolled back.
+                await self._problem(
+                    Problem.IN_PROGRESS,
+                    409,
+                    "Another request with this key took over; retry later.",
+                )
             finally:
                 current_entrance.reset(entrance)
                 current_claim.reset(reset)
         finally:
             if not hold.stopped:
                 await self._settle(recorder)
-
-    async def _run_app(self, receive: Receive, send: Send, recorder: ResponseRecorder) -> None:
-        try:
-            await self.app(self.scope, receive, send)
-        except AnsweredInstead:
-            pass  # fence() in a dependency found a replay or a refusal, answered already
-        except EffectCommitted:
-            if recorder.status is not None:
-                raise
-            # fence() found the proof of an earlier run that committed (the store forgot it):
-            # the answer is recorded, so a retry is told the same without running again.
-            self._began = self._refused_by_proof = True
-            problem, status, detail = _REFUSALS[ClaimOutcome.COMMITTED_WITHOUT_RESPONSE]
-            await send_problem(
-                recorder.send, problem, status, detail, retry_after=self.options.retry_after
-            )
-        except LeaseLost:
-            if recorder.status is not None:
-                raise
-            # fence() found the key taken over, and the app's transaction rolled back.
-            await self._problem(
-                Problem.IN_PROGRESS,
-                409,
-                "Another request with this key took over; retry later.",
-            )
 
     async def enter(self, caller_scope: object, *, endpoint: bool) -> CurrentClaim | str | None:
         """A door passed: see :class:`~idempotency_mw.fence.Entrance`. The endpoint began at
@@ -258,21 +254,9 @@ class Exchange:
 
     async def _call_for(self, caller_scope: object) -> Call | None:
         """The key's way through the engine in the caller's scope (``caller_scope``: the scope
-        dependency's value, if any), or ``None`` when the scope is unusable (answered)."""
-        caller, binding = self._caller, self._binding
-        if caller_scope is not None:
-            if not isinstance(caller_scope, str) or not caller_scope:
-                logger.error(
-                    "the scope dependency of %s %s returned %r; it must return a non-empty "
-                    "string (the endpoint did not run)",
-                    self.scope["method"],
-                    self.template,
-                    type(caller_scope).__name__,
-                )
-                await self._scope_failed()
-                return None
-            caller, binding = caller_scope, ""
-        elif self.settings.scoped:
+        dependency's value, on a route whose claim waited for it), or ``None`` when the scope
+        is unusable (answered)."""
+        if caller_scope is None:
             logger.error(
                 "%s %s declares @idempotent(scope=...) but its dependency was not resolved: "
                 "put @idempotent below the route decorator (the endpoint did not run)",
@@ -281,6 +265,20 @@ class Exchange:
             )
             await self._scope_failed()
             return None
+        if not isinstance(caller_scope, str) or not caller_scope:
+            logger.error(
+                "the scope dependency of %s %s returned %r; it must return a non-empty "
+                "string (the endpoint did not run)",
+                self.scope["method"],
+                self.template,
+                type(caller_scope).__name__,
+            )
+            await self._scope_failed()
+            return None
+        return self._new_call(caller_scope, "")
+
+    def _new_call(self, caller: str, binding: str) -> Call:
+        """The key's way through the engine in the scope ``caller``, bound to ``binding``."""
         return self.engine.call(
             ClaimRequest(
                 caller,

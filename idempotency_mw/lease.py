@@ -53,14 +53,14 @@ class LeaseKeeper:
         self.proven_until = claimed_at + lease
         self.lost = False
 
-    async def prove_before_start(self) -> bool:
-        """Whether the lease is proven for long enough to start the work.
+    def proven_to_start(self) -> bool:
+        """Whether the lease is proven for long enough to start the work: not after a claim
+        that took more than a third of the lease (then :meth:`renew_to_start` first)."""
+        return self.proven_until - self._clock() > self._lease * 2 / 3
 
-        After a claim that took more than a third of the lease, one renewal comes first: work
-        never starts on a lease that may already be another request's.
-        """
-        if self.proven_until - self._clock() > self._lease * 2 / 3:
-            return True
+    async def renew_to_start(self) -> bool:
+        """One renewal before the work starts: whether it proved the lease (work never starts
+        on a lease that may already be another request's)."""
         return await self._renew_once() is True
 
     def first_renewal_in(self) -> float:

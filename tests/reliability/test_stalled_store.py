@@ -1,4 +1,4 @@
-"""A store that hangs while a handler runs, under uvicorn with 4 worker processes.
+"""A store that hangs while a handler runs, under uvicorn with 2 worker processes.
 
 The store is a PostgreSQL or Redis server of the test's own, paused with SIGSTOP while a
 handler longer than its lease runs (``tests/support/faults.py``). ``POST /work`` of
@@ -35,14 +35,15 @@ from tests.support.reliability_app import Effects, Run, service_env
 
 pytestmark = [pytest.mark.anyio, pytest.mark.servers]
 
-WORKERS = 4
+#: More than one, so a retry may reach a worker other than the one running the first request.
+WORKERS = 2
 #: "Retry later" answers a retry may get while the first run holds the key or the store hangs.
 RETRY_LATER = {409: "in-progress", 503: "store-unavailable"}
 
 
 @dataclass
 class Service:
-    """The service under uvicorn with 4 workers, a client of it, and the log of its runs."""
+    """The service under uvicorn with 2 workers, a client of it, and the log of its runs."""
 
     process: ServerProcess
     client: httpx.AsyncClient
