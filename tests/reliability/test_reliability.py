@@ -889,13 +889,15 @@ async def test_handler_cancelled_by_server_shutdown_frees_the_key_at_once(
     assert effects.count(key, "done") == 1
 
 
-# --- the example service under faults, with 4 uvicorn workers --------------------------------
+# --- the example service under faults, with several uvicorn workers ---------------------------
 
 EXAMPLE = "example_app.app:create_app"
 
 
-def example_workers(url: str) -> ServerProcess:
-    return ServerProcess(EXAMPLE, {"EXAMPLE_DATABASE_URL": url}, ready_path="/metrics", workers=4)
+def example_workers(url: str, workers: int) -> ServerProcess:
+    return ServerProcess(
+        EXAMPLE, {"EXAMPLE_DATABASE_URL": url}, ready_path="/metrics", workers=workers
+    )
 
 
 async def post_tickets(server: ServerProcess, prefix: str, count: int) -> list[int]:
@@ -916,7 +918,7 @@ async def test_the_example_service_on_four_workers_starts_on_a_fresh_database(
     fresh_database: str,
 ) -> None:
     # Every worker migrates in its lifespan, all at once: they take turns, and all start.
-    with example_workers(fresh_database) as server:
+    with example_workers(fresh_database, 4) as server:
         server.wait_ready(60)
         await eventually(lambda: len(server.worker_pids()) == 4, within=30)
         statuses = await post_tickets(server, "fresh", 8)
@@ -929,10 +931,11 @@ async def test_the_example_service_on_four_workers_starts_on_a_fresh_database(
 async def test_the_example_service_survives_a_postgresql_restart_without_a_500(
     own_postgresql: Any,
 ) -> None:
-    # The database restarts under load: pooled connections die with it. Keyed requests sent
-    # while it is down get 503; once it is back, nothing fails (pool_pre_ping replaces them).
+    # The database restarts under load: pooled connections die with it, in each worker's pool.
+    # Keyed requests sent while it is down get 503; once it is back, nothing fails
+    # (pool_pre_ping replaces them).
     url = own_postgresql.create_database("example")
-    with example_workers(url) as server:
+    with example_workers(url, 2) as server:
         server.wait_ready(60)
         before = await post_tickets(server, "before", 12)
         own_postgresql.stop()
@@ -953,7 +956,7 @@ async def test_the_example_service_survives_its_database_connections_reset_witho
     # then the database answers again: no handler fails.
     with (
         TcpProxy(upstream_port(MARIADB_URL, DEFAULT_PORTS["mariadb"])) as proxy,
-        example_workers(proxy.url(fresh_database)) as server,
+        example_workers(proxy.url(fresh_database), 2) as server,
     ):
         server.wait_ready(60)
         before = await post_tickets(server, "before", 12)

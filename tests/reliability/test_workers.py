@@ -27,7 +27,7 @@ from tests.support.reliability_app import Effects, fenced_effects
 
 pytestmark = pytest.mark.anyio
 
-WORKERS = 3
+WORKERS = 2
 BURST = 30
 
 
