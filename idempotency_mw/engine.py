@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import anyio
 
+from idempotency_mw._shielding import shielded
 from idempotency_mw.exceptions import StoreError
 from idempotency_mw.fence import CurrentClaim
 from idempotency_mw.lease import Clock, KeeperStarts, LeaseKeeper, LoopStarts
@@ -402,20 +403,19 @@ class Call:
         ``fenced``: whether the call's effect was fenced (or refused by a fence), which lets
         a call declared fenced skip the completion's own flush.
 
-        A store failure is logged: the claim stays in progress until its lease lapses, so a
-        retry meanwhile is told so, never run a second time or given a wrong answer.
+        The store call runs to its end even when the caller is cancelled meanwhile. A store
+        failure is logged: the claim stays in progress until its lease lapses, so a retry
+        meanwhile is told so, never run a second time or given a wrong answer.
         """
         request = self.request
         if request.fenced and not fenced:
             self.engine.answered_unfenced(self.method, self.route)
+        flush = _NOT_DURABLE if self._flush_skippable and fenced else _DURABLE
         try:
-            store_call = self.engine.store.complete(
-                request.scope,
-                request.key,
-                token,
-                response,
-                ttl=request.ttl,
-                **(_NOT_DURABLE if self._flush_skippable and fenced else _DURABLE),
+            store_call = shielded(
+                lambda: self.engine.store.complete(
+                    request.scope, request.key, token, response, ttl=request.ttl, **flush
+                )
             )
             owned = await (
                 store_call if self.hook is None else self._reported("complete", store_call)
@@ -431,10 +431,12 @@ class Call:
 
     async def release(self, token: str) -> None:
         """Forget the claim, so that a retry runs the call again (its effect provably did not
-        happen)."""
+        happen). The store call runs to its end even when the caller is cancelled meanwhile."""
         request = self.request
         try:
-            store_call = self.engine.store.release(request.scope, request.key, token)
+            store_call = shielded(
+                lambda: self.engine.store.release(request.scope, request.key, token)
+            )
             if await (store_call if self.hook is None else self._reported("release", store_call)):
                 self.emit(EventKind.RELEASED)
         except StoreError as exc:

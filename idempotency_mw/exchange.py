@@ -10,7 +10,6 @@ from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw._asgi import ReplayReceive, ResponseRecorder, send_replay
-from idempotency_mw._shielding import shielded
 from idempotency_mw.door import ENDPOINT, ROUTE
 from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, Hold, LeaseUnproven
 from idempotency_mw.exceptions import EffectCommitted, LeaseLost, StoreError
@@ -367,7 +366,7 @@ class Exchange:
         if self._settled or hold is None or hold.call is None or hold.claim_held is None:
             return
         self._settled = True
-        await shielded(self._record_or_release(hold.call, hold.claim_held.token, recorder))
+        await self._record_or_release(hold.call, hold.claim_held.token, recorder)
 
     async def _record_or_release(self, call: Call, token: str, recorder: ResponseRecorder) -> None:
         """Once the endpoint began, its effect may have happened: every response below 500 is

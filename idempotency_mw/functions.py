@@ -21,7 +21,6 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 
 import anyio.to_thread
 
-from idempotency_mw._shielding import shielded
 from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, LeaseUnproven
 from idempotency_mw.exceptions import ConfigurationError, IdempotencyError, LeaseLost
 from idempotency_mw.fence import current_claim
@@ -276,11 +275,11 @@ class IdempotentFunctions:
                 result = await work()
             except BaseException:
                 if not hold.stopped:  # a stopped call's key is left to lapse
-                    await shielded(call.release(token))
+                    await call.release(token)
                 raise
             finally:
                 current_claim.reset(reset)
-            await shielded(call.complete(token, self._stored(result, call)))
+            await call.complete(token, self._stored(result, call))
             return result
         # The lease could not be proven any more, and the work was stopped.
         raise LeaseLost(
