@@ -87,7 +87,7 @@ def _endpoint_door(call: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(call)
         async def async_door(*args: Any, **values: Any) -> Any:
             entrance = current_entrance.get()
-            if entrance is None:
+            if entrance is None or entrance.passed(endpoint=True):
                 return await call(*args, **values)
             entry = await entrance.enter(values.get(SCOPE_PARAMETER), endpoint=True)
             if entry is None:
@@ -103,7 +103,7 @@ def _endpoint_door(call: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(call)
     def sync_door(*args: Any, **values: Any) -> Any:
         entrance = current_entrance.get()
-        if entrance is None:
+        if entrance is None or entrance.passed(endpoint=True):
             return call(*args, **values)
         # A sync endpoint runs in a worker thread: the claim is made in the event loop.
         entry = anyio.from_thread.run(
@@ -127,7 +127,7 @@ def _route_door(
         entrance = current_entrance.get()
         if entrance is not None:
             # The route began (its key was claimed before the app ran, and fence() handed it).
-            await entrance.enter(None, endpoint=False)
+            entrance.passed(endpoint=False)
         await app(scope, receive, send)
 
     return door

@@ -198,7 +198,9 @@ class Hold:
                 return True
             return False
         finally:
-            await self.end()
+            keeping = self._stop_keeping()
+            if keeping is not None:
+                await self._keeper_ended(keeping)
 
     async def claim(self, call: Call) -> Claim:
         """Claim ``call``'s key; once acquired, its lease is kept until the block ends (raises
@@ -226,8 +228,12 @@ class Hold:
             outlive=self.engine.outlive,
             clock=self.engine.clock,
         )
-        if not keeper.proven_to_start() and not await keeper.renew_to_start():
-            raise LeaseUnproven
+        first_renewal_in = keeper.first_renewal_in()
+        if first_renewal_in == 0:
+            # The claim took a third of the lease: proven again before the work starts.
+            if not await keeper.renew_to_start():
+                raise LeaseUnproven
+            first_renewal_in = keeper.first_renewal_in()
         request = call.request
         self.claim_held = CurrentClaim(
             self.engine.store,
@@ -243,7 +249,7 @@ class Hold:
             call.emit(EventKind.CLAIM_STARTED)
         self._keeper = keeper
         self._starts = self.engine.keeper_starts.on_this_loop()
-        self._starts.add(self, keeper.first_renewal_in(), self._start_keeping)
+        self._starts.add(self, first_renewal_in, self._start_keeping)
         return self.claim_held
 
     def _start_keeping(self) -> None:
@@ -277,10 +283,11 @@ class Hold:
                 call.key_id,
             )
 
-    async def end(self) -> None:
-        """Stop keeping the lease (the work ended), and wait for the keeper to end."""
+    def _stop_keeping(self) -> asyncio.Task[None] | None:
+        """Stop keeping the lease (the work ended): the keeper's task to wait for, if it
+        started."""
         if self._keeper is None:
-            return
+            return None
         self._keeper = None
         if self._starts is not None:
             self._starts.discard(self)
@@ -289,7 +296,10 @@ class Hold:
             assert self.call is not None
             if self.call.hook is not None:
                 self.call.emit(EventKind.CLAIM_ENDED)
-            return
+        return keeping
+
+    async def _keeper_ended(self, keeping: asyncio.Task[None]) -> None:
+        """Cancel the keeper's task and wait for it to end; its failure is logged."""
         keeping.cancel()
         with anyio.CancelScope(shield=True):
             await asyncio.wait({keeping})

@@ -235,12 +235,17 @@ class Exchange:
             if not hold.stopped:
                 await self._settle(recorder)
 
-    async def enter(self, caller_scope: object, *, endpoint: bool) -> CurrentClaim | str | None:
+    def passed(self, *, endpoint: bool) -> bool:
         """A door passed: see :class:`~idempotency_mw.fence.Entrance`. The endpoint began at
         the endpoint's door, or at the route's door of a route without one."""
         if endpoint or self._doors == ROUTE:
             self._began = True
-        if self._entered:
+        return self._entered and self._entry is not None
+
+    async def enter(self, caller_scope: object, *, endpoint: bool) -> CurrentClaim | str | None:
+        """A door passed, the key claimed there unless it was before: see
+        :class:`~idempotency_mw.fence.Entrance`."""
+        if self.passed(endpoint=endpoint) or self._entered:
             return self._entry  # the key is claimed once
         if self.settings.scoped and not endpoint:
             return AT_THE_ENDPOINT

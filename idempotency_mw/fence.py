@@ -61,6 +61,12 @@ class Entrance(Protocol):
     """What the doors of a route (and a ``fence()`` before its endpoint) ask of the request's
     exchange."""
 
+    def passed(self, *, endpoint: bool) -> bool:
+        """Note that a door was passed (the endpoint's when ``endpoint``): whether the key was
+        claimed before it, and the request goes on with that claim (``current_claim``'s
+        already); when not, :meth:`enter` claims it."""
+        ...
+
     async def enter(self, caller_scope: object, *, endpoint: bool) -> CurrentClaim | str | None:
         """Claim the key, at the route's door or (``endpoint``) the endpoint's, whose
         ``caller_scope`` is the scope dependency's value or ``None``: the claim to hand

@@ -53,19 +53,16 @@ class LeaseKeeper:
         self.proven_until = claimed_at + lease
         self.lost = False
 
-    def proven_to_start(self) -> bool:
-        """Whether the lease is proven for long enough to start the work: not after a claim
-        that took more than a third of the lease (then :meth:`renew_to_start` first)."""
-        return self.proven_until - self._clock() > self._lease * 2 / 3
+    def first_renewal_in(self) -> float:
+        """Seconds until the first renewal is due: a third of the lease after the claim; 0
+        when it is due already (work may start only once :meth:`renew_to_start` proved the
+        lease again)."""
+        return max(0.0, self.proven_until - self._lease * 2 / 3 - self._clock())
 
     async def renew_to_start(self) -> bool:
         """One renewal before the work starts: whether it proved the lease (work never starts
         on a lease that may already be another request's)."""
         return await self._renew_once() is True
-
-    def first_renewal_in(self) -> float:
-        """Seconds until the first renewal is due: a third of the lease after the claim."""
-        return max(0.0, self.proven_until - self._lease * 2 / 3 - self._clock())
 
     async def keep(self) -> None:
         """Renew every third of the lease until cancelled (the work ended)."""
