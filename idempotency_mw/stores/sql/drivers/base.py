@@ -86,9 +86,8 @@ class Compiled:
         self._defaults = compiled.params
 
     def args(self, params: Mapping[str, Any]) -> tuple[Any, ...]:
-        return tuple(
-            params[name] if name in params else self._defaults[name] for name in self._names
-        )
+        """The statement's arguments in order: from ``params``, else the statement's own."""
+        return tuple(map({**self._defaults, **params}.__getitem__, self._names))
 
 
 class CompileCache:
