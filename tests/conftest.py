@@ -259,7 +259,7 @@ async def _redis_store(how: str, request: pytest.FixtureRequest) -> AsyncIterato
     prefix = f"test-idem-{uuid.uuid4().hex}:"
     if how == "sentinel-client":
         sentinel: RedisSentinel = request.getfixturevalue("redis_sentinel")
-        watcher = redis.asyncio.Sentinel([sentinel.sentinel_address])  # type: ignore[no-untyped-call]
+        watcher = redis.asyncio.Sentinel([sentinel.sentinel_address])  # type: ignore[no-untyped-call, unused-ignore]
         master = watcher.master_for(sentinel.name)
         yield RedisStore(client=master, prefix=prefix)
         await master.aclose()

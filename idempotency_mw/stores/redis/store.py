@@ -322,7 +322,7 @@ class RedisStore(RedisInspection, ClaimsWithToken):
                 if message["type"] == "message":
                     on_settled(_text(message["data"]))
         finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
             if pool is not None:
                 await pool.disconnect()
 
