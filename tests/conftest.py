@@ -84,6 +84,15 @@ def _missing(message: str) -> NoReturn:
 RUN_DATABASE_PROBLEMS: dict[str, str] = {}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # The run's processes (xdist workers, uvicorn workers, agents, warm forkservers: a hundred
+    # and more) import the package and tests.support from source: they keep the bytecode they
+    # compile (PYTHONDONTWRITEBYTECODE is set on some machines) instead of each compiling the
+    # same modules again. Set here, before the workers start, so that every process inherits it.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     RUN_DATABASE_PROBLEMS.update(create_run_databases(SERVER_URLS.values(), RUN_ID))
     if RUN_DATABASE_PROBLEMS and REQUIRE_SERVERS:
