@@ -245,7 +245,8 @@ class Exchange:
     async def enter(self, caller_scope: object, *, endpoint: bool) -> CurrentClaim | str | None:
         """A door passed, the key claimed there unless it was before: see
         :class:`~idempotency_mw.fence.Entrance`."""
-        if self.passed(endpoint=endpoint) or self._entered:
+        self.passed(endpoint=endpoint)
+        if self._entered:
             return self._entry  # the key is claimed once
         if self.settings.scoped and not endpoint:
             return AT_THE_ENDPOINT
