@@ -245,8 +245,7 @@ class Hold:
             binding=request.binding,
             lease=request.lease,
         )
-        if call.hook is not None:
-            call.emit(EventKind.CLAIM_STARTED)
+        call.emit(EventKind.CLAIM_STARTED)
         self._keeper = keeper
         self._starts = self.engine.keeper_starts.on_this_loop()
         self._starts.add(self, first_renewal_in, self._start_keeping)
@@ -294,8 +293,7 @@ class Hold:
         keeping, self._keeping = self._keeping, None
         if keeping is None:
             assert self.call is not None
-            if self.call.hook is not None:
-                self.call.emit(EventKind.CLAIM_ENDED)
+            self.call.emit(EventKind.CLAIM_ENDED)
         return keeping
 
     async def _keeper_ended(self, keeping: asyncio.Task[None]) -> None:
@@ -322,9 +320,9 @@ class Call:
         self.request = request
         self.method = method
         self.route = route
-        #: The engine's ``on_event`` hook; without one, no event is made (the call sites
-        #: check it, since this runs for every call).
-        self.hook = engine.on_event
+        #: The engine's ``on_event`` hook; without one, no event is made and no store call
+        #: is timed.
+        self._hook = engine.on_event
         #: Whether the store calls of this call may skip their own flush (``durable=False``).
         self._flush_skippable = request.fenced and engine.skips_flushes
         self._key_id = ""
@@ -341,8 +339,12 @@ class Call:
 
     def emit(self, kind: EventKind, **details: Any) -> None:
         """Report an event to the ``on_event`` hook, if there is one."""
-        if self.hook is not None:
-            self.hook(Event(kind, self.key_id, self.method, self.route, **details))
+        if self._hook is not None:
+            self._hook(Event(kind, self.key_id, self.method, self.route, **details))
+
+    def _store_call(self, operation: str, call: Awaitable[T]) -> Awaitable[T]:
+        """A store call: ``call`` itself, or timed and reported when there is a hook."""
+        return call if self._hook is None else self._reported(operation, call)
 
     async def _reported(self, operation: str, call: Awaitable[T]) -> T:
         started_at, started = time.time(), time.perf_counter()
@@ -376,19 +378,20 @@ class Call:
         flush = _NOT_DURABLE if self._flush_skippable else _DURABLE
         while True:
             self.claimed_at = claimed_at = engine.clock()
-            store_call = engine.store.claim(
-                request.scope,
-                request.key,
-                request.fingerprint,
-                ttl=request.ttl,
-                lease=request.lease,
-                binding=request.binding,
-                **flush,
+            claim = await self._store_call(
+                "claim",
+                engine.store.claim(
+                    request.scope,
+                    request.key,
+                    request.fingerprint,
+                    ttl=request.ttl,
+                    lease=request.lease,
+                    binding=request.binding,
+                    **flush,
+                ),
             )
-            claim = await (store_call if self.hook is None else self._reported("claim", store_call))
             if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:
-                if self.hook is not None:
-                    self.emit(_OUTCOME_EVENTS[claim.outcome])
+                self.emit(_OUTCOME_EVENTS[claim.outcome])
                 return claim
             pause = min(engine.settlements.polling.delay(polls), deadline - claimed_at)
             await engine.settlements.wait(self.key_id, pause, since=claimed_at)
@@ -398,10 +401,10 @@ class Call:
         """Renew the lease: whether ``token`` still owns the key (``None``: the store failed)."""
         request = self.request
         try:
-            store_call = self.engine.store.renew(
-                request.scope, request.key, token, lease=request.lease
+            return await self._store_call(
+                "renew",
+                self.engine.store.renew(request.scope, request.key, token, lease=request.lease),
             )
-            return await (store_call if self.hook is None else self._reported("renew", store_call))
         except StoreError as exc:
             logger.warning("could not renew the lease of key %s: %s", self.key_id, exc)
             return None
@@ -422,20 +425,19 @@ class Call:
             self.engine.answered_unfenced(self.method, self.route)
         flush = _NOT_DURABLE if self._flush_skippable and fenced else _DURABLE
         try:
-            store_call = shielded(
-                lambda: self.engine.store.complete(
-                    request.scope, request.key, token, response, ttl=request.ttl, **flush
-                )
-            )
-            owned = await (
-                store_call if self.hook is None else self._reported("complete", store_call)
+            owned = await self._store_call(
+                "complete",
+                shielded(
+                    lambda: self.engine.store.complete(
+                        request.scope, request.key, token, response, ttl=request.ttl, **flush
+                    )
+                ),
             )
         except StoreError as exc:
             logger.error("could not record the response of key %s: %s", self.key_id, exc)
             return
         finally:
-            if request.wait:
-                self._settled()
+            self._settled()
         if not owned:
             logger.warning("key %s was taken over before its outcome was recorded", self.key_id)
 
@@ -444,17 +446,17 @@ class Call:
         happen). The store call runs to its end even when the caller is cancelled meanwhile."""
         request = self.request
         try:
-            store_call = shielded(
-                lambda: self.engine.store.release(request.scope, request.key, token)
-            )
-            if await (store_call if self.hook is None else self._reported("release", store_call)):
+            if await self._store_call(
+                "release",
+                shielded(lambda: self.engine.store.release(request.scope, request.key, token)),
+            ):
                 self.emit(EventKind.RELEASED)
         except StoreError as exc:
             logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)
         finally:
-            if request.wait:
-                self._settled()
+            self._settled()
 
     def _settled(self) -> None:
-        """Calls of this route may be waiting for the key (one of another route polls)."""
-        self.engine.settlements.settled(self.key_id)
+        if self.request.wait:
+            # Calls of this route may be waiting (one of another route polls).
+            self.engine.settlements.settled(self.key_id)

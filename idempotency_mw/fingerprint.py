@@ -44,9 +44,7 @@ def request_fingerprint(
     ``mode``; a malformed one enters as bytes (the app refuses it itself). With ``mode="json"``
     a JSON body enters as canonical JSON; any other body enters as its bytes.
     """
-    head: list[bytes] = []
-    for field in (method.encode(), route.encode(), path.encode(), query):
-        head += (len(field).to_bytes(8, "big"), field)
+    head = [_framed(field) for field in (method.encode(), route.encode(), path.encode(), query)]
     head.append(len(headers).to_bytes(8, "big"))
     for name, value in headers:
         head += (_framed(name.encode("latin-1")), _framed(value.encode("latin-1")))
