@@ -41,6 +41,9 @@ Message = dict[str, Any]
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Message]], Any], Awaitable[None]]
 
 BENCH_DIR = Path(__file__).resolve().parent
+#: The checkout whose ``idempotency_mw`` the benchmarked servers import (``benchmarks.compare``
+#: points it at each tree in turn).
+TREE_DIR = Path(os.environ.get("BENCH_TREE") or BENCH_DIR.parent)
 BENCH_DB = "idempotency_bench"
 POSTGRESQL_URL = os.environ.get(
     "BENCH_POSTGRESQL_URL", f"postgresql://postgres@127.0.0.1:5432/{BENCH_DB}"

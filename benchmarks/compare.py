@@ -2,6 +2,13 @@
 
     python -m benchmarks.compare --tree base=/path/to/old/checkout --tree after=. \\
         [--rounds 2] [-n 2000] [--output benchmarks/COMPARE.md]
+    python -m benchmarks.compare --under-load --tree base=... --tree after=. \\
+        [--workers 4] [--connections 64] [--seconds 10] [--variants ours-redis,fik-redis]
+
+The first form measures in process (``benchmarks.inprocess`` and ``benchmarks.overhead``);
+``--under-load`` runs ``benchmarks.network`` instead: each tree's app under uvicorn with
+``--workers`` processes, loaded by ``wrk`` from another process for ``--seconds`` per run, a
+fresh key per request, with the server's CPU per request.
 
 Each tree's ``idempotency_mw`` is imported through a scratch directory that links it beside
 these benchmarks, so every version runs the same measurements. Variants alternate between the
@@ -43,6 +50,7 @@ def _run(tree: Path, scratch: Path, label: str, step: str, arguments: list[str],
         (home / "benchmarks").symlink_to(BENCH_DIR)
     environment = {
         **os.environ,
+        "BENCH_TREE": str(home),
         "BENCH_POSTGRESQL_URL": f"{POSTGRESQL_URL}_{label}",
         "BENCH_MARIADB_URL": f"{MARIADB_URL}_{label}",
         "PYTHONPATH": str(home),
@@ -97,6 +105,28 @@ def inprocess_table(
     return markdown_table(
         ["variant", "mode", *[f"{label}: added p50 / p99 µs (p50 range)" for label in labels]],
         rows,
+    )
+
+
+def network_table(labels: list[str], runs: dict[tuple[str, str, str], list[dict[str, Any]]]) -> str:
+    """Requests/s, server CPU µs per request and p99 of each variant and mode, one column per
+    tree (medians over the rounds; the range of requests/s in brackets)."""
+    rows = []
+    for variant, mode in dict.fromkeys((variant, mode) for variant, mode, _ in runs):
+        cells = []
+        for label in labels:
+            found = [r for r in runs.get((variant, mode, label), []) if r["rps"]]
+            if not found:
+                cells.append("-")
+                continue
+            rps = [r["rps"] for r in found]
+            spread = f" ({fmt(min(rps))}-{fmt(max(rps))})" if len(rps) > 1 else ""
+            cpu = _median([r.get("cpu_us") for r in found])
+            p99 = _median([r["p99_us"] / 1000 for r in found])
+            cells.append(f"{fmt(_median(list(rps)))}{spread}; {fmt(cpu)} µs; {fmt(p99, 1)} ms")
+        rows.append([LABELS[variant], mode, *cells])
+    return markdown_table(
+        ["variant", "mode", *[f"{label}: req/s (range); CPU/req; p99" for label in labels]], rows
     )
 
 
@@ -175,6 +205,57 @@ def overhead_tables(labels: list[str], results: dict[str, list[dict[str, Any]]])
     )
 
 
+def under_load(args: argparse.Namespace) -> int:
+    """The ``--under-load`` comparison: ``benchmarks.network`` on each tree, rounds alternating."""
+    trees = dict(item.split("=", 1) for item in args.tree)
+    labels = list(trees)
+    variants = [v for v in args.variants.split(",") if v]
+    load_notes = [f"start: {loadavg()}"]
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    network_arguments = [
+        *("--workers", str(args.workers), "--connections", str(args.connections)),
+        *("--duration", str(args.seconds), "--requests", "100000000", "--warmup", "2000"),
+    ]
+    with tempfile.TemporaryDirectory(prefix="idem-compare-") as name:
+        scratch = Path(name)
+        for round_number in range(args.rounds):
+            order = labels if round_number % 2 == 0 else labels[::-1]
+            for variant in variants:
+                for label in order if variant in OURS else order[:1]:
+                    out = scratch / f"{label}-{variant}-{round_number}.json"
+                    arguments = [*network_arguments, "--variants", variant]
+                    found = _run(Path(trees[label]), scratch, label, "network", arguments, out)
+                    for run in found or []:
+                        if run["variant"] == "bare":
+                            continue
+                        for each in labels if variant in PEERS else [label]:
+                            runs.setdefault((run["variant"], run["mode"], each), []).append(run)
+            load_notes.append(f"after round {round_number + 1}: {loadavg()}")
+    info = machine_info()
+    text = "\n".join(
+        [
+            "# idempotency-mw: versions side by side under load",
+            "",
+            f"Written by `python -m benchmarks.compare --under-load` on {info['date']}, "
+            f"{info['nproc']} cores of an {info['cpu']}, Python {info['python']}; uvicorn with "
+            f"{args.workers} workers, wrk with {args.connections} connections in another "
+            f"process for {args.seconds:g} s per run, a fresh key per request (replay: one "
+            f"primed key); {args.rounds} rounds, medians. CPU is the server's processes' per "
+            "request. Trees: "
+            + ", ".join(f"{label} = {_commit_of(path)}" for label, path in trees.items())
+            + ". Load average (1/5/15 min): "
+            + "; ".join(load_notes)
+            + ". The peers do not depend on our code: one run per round, shown in every column.",
+            "",
+            network_table(labels, runs),
+            "",
+        ]
+    )
+    Path(args.output).write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", action="append", required=True, help="label=path, in order")
@@ -182,7 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--requests", type=int, default=2000)
     parser.add_argument("--variants", default=",".join((*OURS, *PEERS)))
     parser.add_argument("--output", default=str(BENCH_DIR / "COMPARE.md"))
+    parser.add_argument("--under-load", action="store_true", help="uvicorn and wrk, see above")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args(argv)
+    if args.under_load:
+        return under_load(args)
     trees = dict(item.split("=", 1) for item in args.tree)
     labels = list(trees)
     variants = [v for v in args.variants.split(",") if v]

@@ -146,7 +146,8 @@ def over_network(variant: str, burst: int, delay: float, sqlite_dir: Path) -> Ou
         replays = [await http_post(port, key, BODY) for _ in range(3)]
         return [r for r in replies if isinstance(r, Reply)], replays
 
-    with uvicorn_server(variant, 2, sqlite_dir, env_extra=env) as port:
+    with uvicorn_server(variant, 2, sqlite_dir, env_extra=env) as server:
+        port = server.port
         counts.write_text("")  # the readiness probe (no key) ran the handler once
         replies, replays = asyncio.run(drive(port))
         pids = counts.read_text().split()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.apps import BODY, LABELS, PATH, VARIANTS, prepare, unavailable
-from benchmarks.common import BENCH_DIR, fmt, markdown_table, write_json
+from benchmarks.common import TREE_DIR, fmt, markdown_table, write_json
 
 HOST = "127.0.0.1"
 WRK_SCRIPT = r"""
@@ -111,10 +111,16 @@ class WrkResult:
     p50: float = 0.0
     p99: float = 0.0
     mean: float = 0.0
+    #: CPU seconds the server's processes (uvicorn and its workers) spent during the run.
+    server_cpu: float = 0.0
 
     @property
     def rps(self) -> float:
         return self.requests / (self.duration_us / 1e6) if self.duration_us else 0.0
+
+    @property
+    def cpu_us_per_request(self) -> float | None:
+        return self.server_cpu / self.requests * 1e6 if self.requests else None
 
 
 @dataclass
@@ -161,6 +167,31 @@ def post(port: int, key: str | None, timeout: float = 5.0, body: bytes = BODY) -
         return exc.code
 
 
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds (user and system) of process ``pid`` and its children, from /proc."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:  # ended meanwhile
+            continue
+        # Fields 14 and 15 of stat (utime, stime); the split dropped the first two.
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        pending += [int(child) for child in children]
+    return total
+
+
+@dataclass
+class Server:
+    """A uvicorn server under benchmark: its port and its supervisor's pid."""
+
+    port: int
+    pid: int
+
+
 @contextmanager
 def uvicorn_server(
     variant: str,
@@ -169,14 +200,14 @@ def uvicorn_server(
     *,
     env_extra: dict[str, str] | None = None,
     startup_timeout: float = 30.0,
-) -> Iterator[int]:
-    """uvicorn serving ``variant`` on a free 127.0.0.1 port; yields the port."""
+) -> Iterator[Server]:
+    """uvicorn serving ``variant`` on a free 127.0.0.1 port."""
     port = free_port()
     env = {
         **os.environ,
         "BENCH_VARIANT": variant,
         "BENCH_SQLITE_DIR": str(sqlite_dir),
-        "PYTHONPATH": str(BENCH_DIR.parent),
+        "PYTHONPATH": str(TREE_DIR),
         **(env_extra or {}),
     }
     command = [
@@ -196,9 +227,7 @@ def uvicorn_server(
         "warning",
     ]
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    process = subprocess.Popen(
-        command, env=env, cwd=BENCH_DIR.parent, stdout=log, stderr=subprocess.STDOUT
-    )
+    process = subprocess.Popen(command, env=env, cwd=TREE_DIR, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + startup_timeout
         while True:
@@ -219,7 +248,7 @@ def uvicorn_server(
         if workers > 1:
             # Let every worker come up before timing (each one probes its store at startup).
             time.sleep(1.0 + 0.5 * workers)
-        yield port
+        yield Server(port, process.pid)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -245,7 +274,7 @@ def install_wrk() -> bool:
 
 
 def run_wrk(
-    port: int,
+    server: Server,
     script: Path,
     requests: int,
     duration: float,
@@ -263,12 +292,13 @@ def run_wrk(
         "5s",
         "-s",
         str(script),
-        f"http://{HOST}:{port}{PATH}",
+        f"http://{HOST}:{server.port}{PATH}",
         "--",
         f"r{uuid.uuid4().hex[:10]}",
         fixed_key,
         str(-(-requests // threads)),
     ]
+    cpu_before = process_tree_cpu(server.pid)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
     lines: list[str] = []
@@ -281,6 +311,7 @@ def run_wrk(
             process.send_signal(signal.SIGINT)
             break
     rest, stderr = process.communicate(timeout=duration + 60)
+    server_cpu = process_tree_cpu(server.pid) - cpu_before
     output = "".join(lines) + rest
     statuses: dict[int, int] = {}
     for line in output.splitlines():
@@ -298,6 +329,7 @@ def run_wrk(
                 p50=data["p50"],
                 p99=data["p99"],
                 mean=data["mean"],
+                server_cpu=server_cpu,
             )
     raise RuntimeError(f"wrk failed: {stderr.strip() or output[-400:]}")
 
@@ -311,21 +343,21 @@ def measure(args: argparse.Namespace) -> list[Row]:
         script = sqlite_dir / "keys.lua"
         script.write_text(WRK_SCRIPT)
 
-        def wrk(port: int, fixed: str = "", requests: int = args.requests) -> WrkResult:
+        def wrk(server: Server, fixed: str = "", requests: int = args.requests) -> WrkResult:
             return run_wrk(
-                port, script, requests, args.duration, args.connections, args.threads, fixed
+                server, script, requests, args.duration, args.connections, args.threads, fixed
             )
 
-        def warm_up(port: int) -> None:
+        def warm_up(server: Server) -> None:
             """Untimed fresh-key requests on a new server: first connections, caches, imports."""
             if args.warmup:
-                wrk(port, requests=args.warmup)
+                wrk(server, requests=args.warmup)
 
         for workers in args.workers:
-            with uvicorn_server("bare", workers, sqlite_dir) as bare_port:
+            with uvicorn_server("bare", workers, sqlite_dir) as bare:
                 print(f"… {workers} worker(s): bare", file=sys.stderr, flush=True)
-                warm_up(bare_port)
-                previous_bare = wrk(bare_port)
+                warm_up(bare)
+                previous_bare = wrk(bare)
                 rows.append(Row(workers, "bare", "any", previous_bare, [previous_bare]))
                 for variant in variants:
                     first, replay = Row(workers, variant, "first"), Row(workers, variant, "replay")
@@ -337,20 +369,20 @@ def measure(args: argparse.Namespace) -> list[Row]:
                     print(f"… {workers} worker(s): {variant}", file=sys.stderr, flush=True)
                     try:
                         asyncio.run(prepare(variant, sqlite_dir))
-                        with uvicorn_server(variant, workers, sqlite_dir) as port:
-                            warm_up(port)
-                            first.result = wrk(port)
+                        with uvicorn_server(variant, workers, sqlite_dir) as server:
+                            warm_up(server)
+                            first.result = wrk(server)
                             key = f"replay-{uuid.uuid4().hex[:12]}"
-                            primed = post(port, key)
+                            primed = post(server.port, key)
                             if primed != 201:
                                 replay.error = f"priming the replay key answered {primed}"
-                            replay.result = wrk(port, key)
+                            replay.result = wrk(server, key)
                     except Exception as exc:
                         message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                         for row in (first, replay):
                             if row.result is None:
                                 row.error = message
-                    next_bare = wrk(bare_port)
+                    next_bare = wrk(bare)
                     rows.append(Row(workers, "bare", "any", next_bare, [next_bare]))
                     for row in (first, replay):
                         row.bare = [previous_bare, next_bare]
@@ -366,6 +398,7 @@ def table(rows: list[Row]) -> str:
         "req/s",
         "p50 ms",
         "p99 ms",
+        "server CPU µs/req",
         "bare req/s",
         "ratio to bare",
         "errors / non-2xx",
@@ -388,6 +421,7 @@ def table(rows: list[Row]) -> str:
                 fmt(r.rps if r else None),
                 fmt(r.p50 / 1000 if r else None, 2),
                 fmt(r.p99 / 1000 if r else None, 2),
+                fmt(r.cpu_us_per_request if r else None),
                 fmt(row.bare_rps),
                 fmt(row.ratio, 2),
                 f"**{errors}**" if errors else "0",
@@ -439,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rps": row.result.rps if row.result else None,
                 "p50_us": row.result.p50 if row.result else None,
                 "p99_us": row.result.p99 if row.result else None,
+                "cpu_us": row.result.cpu_us_per_request if row.result else None,
                 "errors": row.result.errors if row.result else None,
                 "statuses": row.result.statuses if row.result else None,
                 "bare_rps": row.bare_rps,
