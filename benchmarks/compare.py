@@ -64,6 +64,32 @@ def _run(tree: Path, scratch: Path, label: str, step: str, arguments: list[str],
     return json.loads(out.read_text())
 
 
+def _run_variants(
+    trees: dict[str, str],
+    order: list[str],
+    variants: list[str],
+    scratch: Path,
+    round_number: int,
+    step: str,
+    arguments: list[str],
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]],
+) -> None:
+    """One round of ``step`` for each variant, on each tree in ``order`` (the peers, which do not
+    depend on our code, on the first tree only, shown for every tree); adds to ``runs`` by
+    (variant, mode, tree label)."""
+    for variant in variants:
+        for label in order if variant in OURS else order[:1]:
+            out = scratch / f"{label}-{variant}-{round_number}.json"
+            found = _run(
+                Path(trees[label]), scratch, label, step, [*arguments, "--variants", variant], out
+            )
+            for run in found or []:
+                if run.get("variant") == "bare":  # network's baseline runs
+                    continue
+                for each in list(trees) if variant in PEERS else [label]:
+                    runs.setdefault((variant, run["mode"], each), []).append(run)
+
+
 def _commit_of(tree: str) -> str:
     """The tree's commit, and whether its library has uncommitted changes."""
 
@@ -220,40 +246,52 @@ def under_load(args: argparse.Namespace) -> int:
         scratch = Path(name)
         for round_number in range(args.rounds):
             order = labels if round_number % 2 == 0 else labels[::-1]
-            for variant in variants:
-                for label in order if variant in OURS else order[:1]:
-                    out = scratch / f"{label}-{variant}-{round_number}.json"
-                    arguments = [*network_arguments, "--variants", variant]
-                    found = _run(Path(trees[label]), scratch, label, "network", arguments, out)
-                    for run in found or []:
-                        if run["variant"] == "bare":
-                            continue
-                        for each in labels if variant in PEERS else [label]:
-                            runs.setdefault((run["variant"], run["mode"], each), []).append(run)
+            _run_variants(
+                trees, order, variants, scratch, round_number, "network", network_arguments, runs
+            )
             load_notes.append(f"after round {round_number + 1}: {loadavg()}")
+    _report(
+        args,
+        "versions side by side under load",
+        f"`python -m benchmarks.compare --under-load`; uvicorn with {args.workers} workers, wrk "
+        f"with {args.connections} connections in another process for {args.seconds:g} s per "
+        "run, a fresh key per request (replay: one primed key); CPU is the server's processes' "
+        "per request",
+        trees,
+        load_notes,
+        [network_table(labels, runs)],
+    )
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    title: str,
+    how: str,
+    trees: dict[str, str],
+    load_notes: list[str],
+    sections: list[str],
+) -> None:
+    """Write the comparison to ``args.output`` and print it: a title, how and where it was
+    measured, then ``sections``."""
     info = machine_info()
     text = "\n".join(
         [
-            "# idempotency-mw: versions side by side under load",
+            f"# idempotency-mw: {title}",
             "",
-            f"Written by `python -m benchmarks.compare --under-load` on {info['date']}, "
-            f"{info['nproc']} cores of an {info['cpu']}, Python {info['python']}; uvicorn with "
-            f"{args.workers} workers, wrk with {args.connections} connections in another "
-            f"process for {args.seconds:g} s per run, a fresh key per request (replay: one "
-            f"primed key); {args.rounds} rounds, medians. CPU is the server's processes' per "
-            "request. Trees: "
+            f"Written by {how}, on {info['date']}, {info['nproc']} cores of an {info['cpu']}, "
+            f"Python {info['python']}; {args.rounds} rounds, medians over the rounds. Trees: "
             + ", ".join(f"{label} = {_commit_of(path)}" for label, path in trees.items())
             + ". Load average (1/5/15 min): "
             + "; ".join(load_notes)
-            + ". The peers do not depend on our code: one run per round, shown in every column.",
+            + ". The peers' figures do not depend on our code: one run per round, shown in "
+            "every column.",
             "",
-            network_table(labels, runs),
-            "",
+            *sections,
         ]
     )
     Path(args.output).write_text(text)
     print(text)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,15 +319,16 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(name)
         for round_number in range(args.rounds):
             order = labels if round_number % 2 == 0 else labels[::-1]
-            for variant in variants:
-                for label in order if variant in OURS else order[:1]:
-                    out = scratch / f"{label}-{variant}-{round_number}.json"
-                    arguments = [*inprocess_arguments, "--variants", variant]
-                    found = _run(Path(trees[label]), scratch, label, "inprocess", arguments, out)
-                    for run in found or []:
-                        shown = labels if variant in PEERS else [label]
-                        for each in shown:
-                            runs.setdefault((variant, run["mode"], each), []).append(run)
+            _run_variants(
+                trees,
+                order,
+                variants,
+                scratch,
+                round_number,
+                "inprocess",
+                inprocess_arguments,
+                runs,
+            )
             for label in order:
                 out = scratch / f"{label}-overhead-{round_number}.json"
                 arguments = ["-n", str(args.requests)]
@@ -297,20 +336,13 @@ def main(argv: list[str] | None = None) -> int:
                 if found:
                     overhead[label].append(found)
             load_notes.append(f"after round {round_number + 1}: {loadavg()}")
-    info = machine_info()
-    text = "\n".join(
+    _report(
+        args,
+        "versions side by side",
+        f"`python -m benchmarks.compare`, {args.requests:,} requests per figure",
+        trees,
+        load_notes,
         [
-            "# idempotency-mw: versions side by side",
-            "",
-            f"Written by `python -m benchmarks.compare` on {info['date']}, {info['nproc']} cores "
-            f"of an {info['cpu']}, Python {info['python']}; {args.rounds} rounds, "
-            f"{args.requests:,} requests per figure, medians over the rounds. Trees: "
-            + ", ".join(f"{label} = {_commit_of(path)}" for label, path in trees.items())
-            + ". Load average (1/5/15 min): "
-            + "; ".join(load_notes)
-            + ". The peers' figures do not depend on our code: one run per round, shown in "
-            "every column.",
-            "",
             "## In process: µs added per request over bare FastAPI",
             "",
             inprocess_table(labels, runs),
@@ -319,10 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             "",
             overhead_tables(labels, overhead),
             "",
-        ]
+        ],
     )
-    Path(args.output).write_text(text)
-    print(text)
     return 0
 
 
