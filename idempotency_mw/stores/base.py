@@ -41,8 +41,15 @@ class Store(Protocol):
       ``CREDENTIAL_MISMATCH``, before anything else is compared;
     - present with another fingerprint: ``MISMATCH``;
     - in progress within its lease: ``IN_PROGRESS``;
-    - in progress with its effect committed (a fenced commit) and its lease lapsed, or settled
-      as committed without a response: ``COMMITTED_WITHOUT_RESPONSE``;
+    - in progress with its effect committed (a fenced commit the store knows of) and its lease
+      lapsed: its holder may still be alive behind a store that stalled, and able to record its
+      answer. The first such claim answers ``IN_PROGRESS`` and, in the same atomic step, gives
+      the record one more ``lease``, on probation; the holder's :meth:`renew` or settlement
+      ends the probation. A claim that finds the lease lapsed again while on probation (the
+      holder was not heard from for a whole lease): ``COMMITTED_WITHOUT_RESPONSE``. A store
+      that keeps no mark of a fenced commit (its proof is in the application's database:
+      Redis, ``MemoryStore``) never holds such a record;
+    - settled as committed without a response: ``COMMITTED_WITHOUT_RESPONSE``;
     - completed: ``REPLAY`` with the stored response;
     - completed without a replayable response: ``UNREPLAYABLE``.
 

@@ -6,14 +6,17 @@ import functools
 import os
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import cast
 
 import anyio
 import pytest
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw import Claim, ClaimOutcome, SQLStore, Store, StoredResponse
 from idempotency_mw.records import new_token
 from idempotency_mw.stores.base import ClaimsWithToken
+from idempotency_mw.stores.sql import async_url
 from tests.conftest import (
     DATABASES,
     SERVER_DATABASES,
@@ -32,9 +35,10 @@ pytestmark = pytest.mark.anyio
 SQLALCHEMY_FROM_URL = [f"{database}-url-sqlalchemy" for database in DATABASES]
 
 
-@pytest.fixture(params=[*STORE_PATHS, *SQLALCHEMY_FROM_URL])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    """An empty store for each way of building one (see ``STORE_PATHS``) and each driver."""
+@asynccontextmanager
+async def contract_store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """An empty store built the way ``request.param`` names (a path of ``STORE_PATHS`` or of
+    ``SQLALCHEMY_FROM_URL``)."""
     if request.param not in SQLALCHEMY_FROM_URL:
         async with built_store(request.param, request) as made:
             yield made
@@ -49,6 +53,28 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     sql_store = SQLStore(url, driver="sqlalchemy")
     yield sql_store
     await sql_store.aclose()
+
+
+@pytest.fixture(params=[*STORE_PATHS, *SQLALCHEMY_FROM_URL])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """An empty store for each way of building one (see ``STORE_PATHS``) and each driver."""
+    async with contract_store(request) as made:
+        yield made
+
+
+#: The stores that keep a mark of a fenced commit in their own record (the SQL stores; Redis
+#: and ``MemoryStore`` leave the proof to the application's database).
+MARKING_PATHS = [
+    path for path in [*STORE_PATHS, *SQLALCHEMY_FROM_URL] if path.partition("-")[0] in DATABASES
+]
+
+
+@pytest.fixture(params=MARKING_PATHS)
+async def marking_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
+    """An empty store of each way of building one that marks fenced commits in its record."""
+    async with contract_store(request) as made:
+        assert isinstance(made, SQLStore)
+        yield made
 
 
 TTL = 60.0
@@ -303,3 +329,82 @@ async def test_claims_from_several_processes_have_one_winner(
     outcomes = await outcomes_from_processes(functools.partial(claimers.sql_store, database_url))
     assert outcomes.count(ClaimOutcome.ACQUIRED.value) == 1
     assert outcomes.count(ClaimOutcome.IN_PROGRESS.value) == 39
+
+
+# ---------------------------------------------------------------- a committed record's lapse
+
+
+async def mark_committed(store: SQLStore, key: str, token: str) -> None:
+    """Mark ``token``'s effect committed, as ``fence()`` does in an application's transaction."""
+    engine = create_async_engine(async_url(store.url.render_as_string(hide_password=False)))
+    statement, params = store.fence_statement("", key, token)
+    async with engine.begin() as conn:
+        assert (await conn.execute(statement, params)).rowcount == 1
+    await engine.dispose()
+
+
+async def test_a_committed_record_whose_lease_lapsed_is_in_progress_for_one_more_lease(
+    marking_store: SQLStore,
+) -> None:
+    # Its holder may be alive behind a store that stalled past the lease, and about to record
+    # its answer: the retries that find the lease lapsed are told to come back, and one of
+    # them gives the record one more lease.
+    store = marking_store
+    outcomes: list[ClaimOutcome] = []
+
+    async def claim(key: str) -> None:
+        outcomes.append((await store.claim("", key, "f", ttl=TTL, lease=1.0)).outcome)
+
+    async def burst(key: str) -> None:
+        async with anyio.create_task_group() as group:
+            for _ in range(10):
+                group.start_soon(claim, key)
+
+    await burst("warm")  # the store's connections opened: the burst below takes no time
+    token = await acquire(store, lease=0.2)
+    await mark_committed(store, "k", token)
+    await anyio.sleep(0.3)
+    outcomes.clear()
+    await burst("k")
+    assert outcomes == [ClaimOutcome.IN_PROGRESS] * 10
+    # Another request, or another caller, learns what it would have learnt anyway.
+    assert (await store.claim("", "k", "other", ttl=TTL, lease=LEASE)).outcome is (
+        ClaimOutcome.MISMATCH
+    )
+    mallory = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, binding="mallory")
+    assert mallory.outcome is ClaimOutcome.CREDENTIAL_MISMATCH
+    # Lapsed again on probation: the holder was not heard from for a whole lease.
+    await anyio.sleep(1.1)
+    for _ in range(2):
+        late = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
+        assert late.outcome is ClaimOutcome.COMMITTED_WITHOUT_RESPONSE
+    # The holder may still record its answer, which is then replayed.
+    assert await store.complete("", "k", token, RESPONSE, ttl=TTL)
+    assert await store.claim("", "k", "f", ttl=TTL, lease=LEASE) == Claim(
+        ClaimOutcome.REPLAY, response=RESPONSE
+    )
+
+
+async def test_the_holders_renewal_ends_the_probation(marking_store: SQLStore) -> None:
+    store = marking_store
+    token = await acquire(store, lease=0.2)
+    await mark_committed(store, "k", token)
+    await anyio.sleep(0.3)
+    assert (await store.claim("", "k", "f", ttl=TTL, lease=0.3)).outcome is (
+        ClaimOutcome.IN_PROGRESS
+    )
+    # The store is back and so is the holder: a later lapse is a first one again.
+    assert await store.renew("", "k", token, lease=0.2)
+    await anyio.sleep(0.3)
+    assert (await store.claim("", "k", "f", ttl=TTL, lease=0.3)).outcome is (
+        ClaimOutcome.IN_PROGRESS
+    )
+    await anyio.sleep(0.4)
+    assert (await store.claim("", "k", "f", ttl=TTL, lease=LEASE)).outcome is (
+        ClaimOutcome.COMMITTED_WITHOUT_RESPONSE
+    )
+    # Released by its holder after that, it stays committed, never runs again.
+    assert await store.release("", "k", token)
+    assert (await store.claim("", "k", "f", ttl=TTL, lease=LEASE)).outcome is (
+        ClaimOutcome.COMMITTED_WITHOUT_RESPONSE
+    )

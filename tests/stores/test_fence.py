@@ -172,9 +172,14 @@ async def test_a_response_that_cannot_be_recorded_is_never_run_again(
         store.failing = frozenset()
         await anyio.sleep(0.5)  # the lease lapses: nobody holds the key any more
         retry = await post(client, "k")
+        # Its holder may still be alive behind a stalled store: told to come back once.
+        assert retry.status_code == 409
+        assert retry.json()["type"].endswith(":in-progress")
+        await anyio.sleep(0.5)  # and not heard from for a whole lease more
+        late = await post(client, "k")
     assert first.status_code == 201  # the client got its answer
-    assert retry.status_code == 409
-    assert retry.json()["type"].endswith("committed-without-response")
+    assert late.status_code == 409
+    assert late.json()["type"].endswith("committed-without-response")
     assert await count(engine, "k") == 1
 
 
@@ -212,6 +217,43 @@ async def test_a_committed_request_is_never_stopped_by_a_stalled_store(
     assert retry.headers["idempotent-replayed"] == "true"
     assert retry.json() == first.json()
     assert await count(engine, "c") == 1
+
+
+async def test_a_retry_as_a_stalled_store_returns_waits_for_the_committed_answer(
+    store: PausableStore, engine: AsyncEngine
+) -> None:
+    # The effect committed (fenced), then the store stalled past the lease: the request went
+    # on and answered. A retry sent as the store came back, before the answer was recorded,
+    # is told to come back (in-progress), not "committed, do not send again"; with wait=, it
+    # waits for the answer.
+    app = ticket_service(store, engine, lease=0.4)
+    app.state.linger = 0.6
+    # Another worker of the service whose route waits for a key's outcome.
+    waiting = ticket_service(store, engine, lease=0.4, wait=5)
+    store.pause("renew", "complete")
+    answers: dict[str, httpx.Response] = {}
+    async with client_for(app) as client, client_for(waiting) as waiting_client:
+        async with anyio.create_task_group() as group:
+
+            async def send(name: str, to: httpx.AsyncClient) -> None:
+                answers[name] = await post(to, "p", "linger")
+
+            group.start_soon(send, "first", client)
+            await anyio.sleep(0.8)  # answered, its lease lapsed, its completion held
+            await send("retry", client)
+            group.start_soon(send, "waiting", waiting_client)
+            await anyio.sleep(0.2)
+            store.resume()
+        await send("replay", client)
+    first, retry = answers["first"], answers["retry"]
+    assert first.status_code == 201
+    assert retry.status_code == 409, retry.text
+    assert retry.json()["type"].endswith(":in-progress")
+    assert retry.headers["retry-after"]
+    for name in ("waiting", "replay"):
+        assert answers[name].headers["idempotent-replayed"] == "true", answers[name].text
+        assert answers[name].json() == first.json()
+    assert await count(engine, "p") == 1
 
 
 async def test_fence_without_a_key_on_an_optional_route_does_nothing(

@@ -5,6 +5,11 @@ outcome without a write, so a replay is one statement), or whether this request 
 with one atomic upsert. Of concurrent requests that all found the key free, the upsert's
 condition, checked on the latest committed row, lets exactly one take it. A record in progress
 under the request's own token (the same claim delivered twice) is read as the request's own.
+
+A record whose effect was committed and whose lease lapsed is put on probation by one
+conditional UPDATE (:data:`PROBATION`), whose condition decides: the claim that changed it
+reads the record in progress; one that changed nothing (another claim, or the holder, changed
+the record first) reads it again in its next attempt.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import cast, exists, func, null, select
+from sqlalchemy import cast, exists, func, literal_column, null, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.sql.expression import Executable
 
@@ -21,9 +26,10 @@ from idempotency_mw.stores.sql.drivers.base import Driver
 from idempotency_mw.stores.sql.schema import records
 from idempotency_mw.stores.sql.statements import (
     CAN_TAKE_OVER,
+    CLAIM_READ,
     KEY_COLUMNS,
     NEW_RECORD,
-    READ,
+    PROBATION,
     WINNER,
 )
 
@@ -52,10 +58,21 @@ def _upsert_returning(dialect: Any, rows: Any = None) -> Any:
     ).returning(records.c.token)
 
 
-async def _read_live(driver: Driver, params: dict[str, Any], deadline: float) -> Row | None:
-    """The record of the key if it is live (its outcome needs no write), else ``None``."""
-    rows = await driver.fetch(READ, params, deadline=deadline)
-    return rows[0] if rows and not rows[0][-1] else None
+async def _read_live(
+    driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
+) -> tuple[Row | None, bool]:
+    """The record of the key if it is live (its outcome needs no write), else ``None``; and
+    whether to read it again (it was due for probation, but another step changed it first).
+
+    A record due for probation is put on it here, and then reads as in progress.
+    """
+    rows = await driver.fetch(CLAIM_READ, params, deadline=deadline)
+    if not rows or rows[0][-2]:
+        return None, False
+    *read, due = rows[0]
+    if due and not await driver.change(PROBATION, params, deadline=deadline, durable=durable):
+        return None, True
+    return read, False
 
 
 class SQLiteClaim(ClaimSQL):
@@ -69,7 +86,8 @@ class SQLiteClaim(ClaimSQL):
           WHERE <expired, or the same request's lease lapsed>
           RETURNING token;
 
-    The request took the key when the returned token is its own.
+    The request took the key when the returned token is its own. A live record the read
+    found due for probation is put on it instead of the upsert (see the module).
     """
 
     def __init__(self) -> None:
@@ -78,8 +96,8 @@ class SQLiteClaim(ClaimSQL):
     async def attempt(
         self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
     ) -> tuple[Row | None, bool]:
-        live = await _read_live(driver, params, deadline)
-        if live is not None:
+        live, again = await _read_live(driver, params, deadline, durable=durable)
+        if live is not None or again:
             return live, False
         rows = await driver.fetch(self._upsert, params, deadline=deadline, durable=durable)
         return None, bool(rows) and rows[0][0] == params["p_token"]
@@ -88,21 +106,25 @@ class SQLiteClaim(ClaimSQL):
 class PostgreSQLClaim(ClaimSQL):
     """PostgreSQL: the read and, when it finds no live record, the upsert, in one statement::
 
-        WITH existing AS (SELECT request_hash, ..., mine, free FROM idempotency_records
+        WITH existing AS (SELECT request_hash, ..., mine, free, due FROM idempotency_records
                           WHERE scope = :scope AND key = :key),
              taken AS (INSERT INTO idempotency_records (...)
                        SELECT :scope, :key, ... WHERE NOT EXISTS
                            (SELECT free FROM existing WHERE NOT free)
                        ON CONFLICT (scope, key) DO UPDATE SET ... = excluded....
                        WHERE <expired, or the same request's lease lapsed>
-                       RETURNING token)
-        SELECT (SELECT request_hash FROM existing), ..., (SELECT token FROM taken);
+                       RETURNING token),
+             probation AS (UPDATE idempotency_records SET lease_expires_at = ...,
+                           committed_at = -committed_at WHERE ... <due> RETURNING 1)
+        SELECT (SELECT request_hash FROM existing), ..., (SELECT token FROM taken),
+               EXISTS (SELECT * FROM probation);
 
-    Both parts see one snapshot; the upsert's WHERE still decides on the latest committed row.
+    All parts see one snapshot; the upsert's and the update's WHERE still decide on the latest
+    committed row.
     """
 
     def __init__(self) -> None:
-        existing = READ.cte("existing")
+        existing = CLAIM_READ.cte("existing")
         new_record = select(
             *(
                 cast(null() if value is None else value, records.c[name].type).label(name)
@@ -110,17 +132,22 @@ class PostgreSQLClaim(ClaimSQL):
             )
         ).where(~exists(select(existing.c.free).where(~existing.c.free)))
         taken = _upsert_returning(postgresql, new_record).cte("taken")
+        probation = PROBATION.returning(literal_column("1").label("granted")).cte("probation")
         self._statement: Executable = select(
             *(select(column).scalar_subquery() for column in existing.c),
             select(taken.c.token).scalar_subquery(),
+            exists(select(probation.c.granted)),
         )
 
     async def attempt(
         self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
     ) -> tuple[Row | None, bool]:
         rows = await driver.fetch(self._statement, params, deadline=deadline, durable=durable)
-        *read, token = rows[0]
-        return (read if read[0] is not None else None), token == params["p_token"]
+        *read, due, token, granted = rows[0]
+        if read[0] is None or (due and not granted):
+            # No record, or one due for probation that another step changed first.
+            return None, token == params["p_token"]
+        return read, token == params["p_token"]
 
 
 class MySQLClaim(ClaimSQL):
@@ -139,6 +166,7 @@ class MySQLClaim(ClaimSQL):
     token is decided first, and every other column follows whether the token changed. No
     transaction is needed: a record that holds this request's fresh token is this request's
     (only the token's owner can release it, and no one can take it over while its lease runs).
+    A live record the read found due for probation is put on it instead (see the module).
     """
 
     def __init__(self) -> None:
@@ -157,8 +185,8 @@ class MySQLClaim(ClaimSQL):
     async def attempt(
         self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
     ) -> tuple[Row | None, bool]:
-        live = await _read_live(driver, params, deadline)
-        if live is not None:
+        live, again = await _read_live(driver, params, deadline, durable=durable)
+        if live is not None or again:
             return live, False
         await driver.change(self._upsert, params, deadline=deadline, durable=durable)
         rows = await driver.fetch(WINNER, params, deadline=deadline)

@@ -106,6 +106,21 @@ NEW_RECORD: dict[str, Any] = {
     "caller_binding": bindparam("p_binding"),
     "committed_at": None,
 }
+#: In progress, its effect committed, its lease lapsed once and given one more by a claim
+#: (its holder may still be alive behind a store that stalled): ``committed_at`` is negated
+#: while on probation, and made positive again by the holder's renewal or settlement.
+ON_PROBATION = records.c.committed_at < 0
+#: In progress, its effect committed, and its lease lapsed for the first time since its holder
+#: last renewed it, found by the same request of the same caller: a claim answers it
+#: in-progress and puts it on probation (:data:`PROBATION`).
+PROBATION_DUE = and_(
+    records.c.status == IN_PROGRESS,
+    records.c.committed_at > 0,
+    records.c.lease_expires_at <= NOW,
+    records.c.request_hash == bindparam("p_fingerprint"),
+    bindparam("p_binding") == BINDING,
+    not_(EXPIRED),
+)
 #: A key's record as a claim reads it; ``free`` last: whether the claim may take it.
 READ = select(
     records.c.request_hash,
@@ -114,20 +129,37 @@ READ = select(
     records.c.response_headers,
     records.c.result_payload,
     BINDING.label("binding"),
-    # In progress, its effect committed, and nobody holds it any more.
+    # In progress, its effect committed, and nobody held it for a whole lease of probation.
     and_(
         records.c.status == IN_PROGRESS,
-        records.c.committed_at.is_not(None),
+        ON_PROBATION,
         records.c.lease_expires_at <= NOW,
     ).label("orphaned"),
     MINE.label("mine"),
     CAN_TAKE_OVER.label("free"),
 ).where(KEY_IS)
+#: :data:`READ` and, after it, whether the record is due for probation.
+CLAIM_READ = READ.add_columns(PROBATION_DUE.label("due"))
+#: The record's holder given one more lease, on probation: one statement whose condition
+#: decides, so of concurrent claims that found it due exactly one grants it.
+PROBATION = (
+    update(records)
+    .where(KEY_IS, PROBATION_DUE)
+    .values(
+        lease_expires_at=NOW + bindparam("p_lease_ms", type_=BigInteger),
+        committed_at=-records.c.committed_at,
+    )
+)
+#: A committed effect's mark with its probation ended (the holder was heard from).
+_COMMITTED_AT = func.abs(records.c.committed_at)
 WINNER = select(records.c.token).where(KEY_IS)
 RENEW = (
     update(records)
     .where(OWNED)
-    .values(lease_expires_at=NOW + bindparam("p_lease_ms", type_=BigInteger))
+    .values(
+        lease_expires_at=NOW + bindparam("p_lease_ms", type_=BigInteger),
+        committed_at=_COMMITTED_AT,
+    )
 )
 #: Still in progress under this token, or already settled by this very completion (its own
 #: earlier delivery, whose reply was lost): either way it answers one row.
@@ -146,6 +178,7 @@ COMPLETE = (
         result_payload=bindparam("p_result_payload"),
         lease_expires_at=NOW,
         expires_at=NOW + bindparam("p_ttl_ms", type_=BigInteger),
+        committed_at=_COMMITTED_AT,
     )
 )
 #: A claim given up before its effect was committed: gone, so a retry runs.
@@ -154,7 +187,7 @@ RELEASE = delete(records).where(OWNED, records.c.committed_at.is_(None))
 RELEASE_COMMITTED = (
     update(records)
     .where(OWNED, records.c.committed_at.is_not(None))
-    .values(status=RecordStatus.COMMITTED.value, lease_expires_at=NOW)
+    .values(status=RecordStatus.COMMITTED.value, lease_expires_at=NOW, committed_at=_COMMITTED_AT)
 )
 #: The channel on which PostgreSQL announces settled records; the payload is a key's digest.
 SETTLED_CHANNEL = "idempotency_mw_settled"
