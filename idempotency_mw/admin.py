@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from idempotency_mw._urls import shown_url
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
 from idempotency_mw.records import RecordStatus
 
@@ -328,7 +329,7 @@ def _refuse_a_missing_sqlite_file(url: str) -> None:
     try:
         database = make_url(url)
     except ArgumentError as exc:
-        raise ConfigurationError(f"not a database URL: {url!r}") from exc
+        raise ConfigurationError(f"not a database URL: {shown_url(url)!r}") from exc
     path = database.database
     in_a_file = database.get_backend_name() == "sqlite" and path not in (None, "", ":memory:")
     if in_a_file and not Path(str(path)).exists():

@@ -29,7 +29,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.expression import Executable
 
 from idempotency_mw._sqltypes import ExactString
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw._urls import shown_url
+from idempotency_mw.exceptions import ConfigurationError, describe
+from idempotency_mw.metrics import key_hash
 from idempotency_mw.stores.sql.schema import metadata
 from idempotency_mw.stores.sql.statements import NOW, purges_of
 from idempotency_mw.stores.sql.store import stored_name
@@ -111,7 +113,8 @@ async def write_proof(
             result = await connection.execute(statement, params)
         rows = result.all()
     except DBAPIError as exc:
-        raise _missing_table(connection.engine.url, store, exc) from exc
+        # Not chained: SQLAlchemy's error shows the statement's parameters, the key among them.
+        raise _missing_table(connection.engine.url, store, scope, key, exc) from None
     return [row[0] for row in rows] == [token]
 
 
@@ -125,7 +128,8 @@ def write_proof_sync(
             result = connection.execute(statement, params)
         rows = result.all()
     except DBAPIError as exc:
-        raise _missing_table(connection.engine.url, store, exc) from exc
+        # Not chained: SQLAlchemy's error shows the statement's parameters, the key among them.
+        raise _missing_table(connection.engine.url, store, scope, key, exc) from None
     return [row[0] for row in rows] == [token]
 
 
@@ -145,12 +149,14 @@ def _params(scope: str, key: str, token: str, ttl: float) -> dict[str, Any]:
     }
 
 
-def _missing_table(url: Any, store: object, exc: DBAPIError) -> ConfigurationError:
+def _missing_table(
+    url: Any, store: object, scope: str, key: str, exc: DBAPIError
+) -> ConfigurationError:
     return ConfigurationError(
-        f"fence() records its proof in the table {PROOF_TABLE!r} of the session's database "
-        f"({url.render_as_string(hide_password=True)}), since the store ({store!r}) is not "
+        f"fence() of key {key_hash(scope, key)} records its proof in the table {PROOF_TABLE!r} "
+        f"of the session's database ({shown_url(url)}), since the store ({store!r}) is not "
         f"known to be on that database (a SQLStore whose URL names the same host, port and "
-        f"database is), and could not write it ({type(exc.orig).__name__}): create it with "
+        f"database is), and could not write it ({describe(exc)}): create it with "
         f"`idempotency-mw migrate --proofs --url <that url>`, with "
         "`idempotency_mw.proofs.proof_metadata.create_all`, or in your own Alembic project "
         "(the docs' Migrations page)"

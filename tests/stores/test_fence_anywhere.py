@@ -4,6 +4,7 @@ key's effect twice."""
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -23,6 +24,7 @@ from idempotency_mw import (
     fence,
 )
 from idempotency_mw.cleanup import purge
+from idempotency_mw.metrics import Event
 from idempotency_mw.proofs import ProofTable, proof_metadata, proofs
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
@@ -72,7 +74,7 @@ def order_service(store: Store, engine: AsyncEngine, **options: Any) -> FastAPI:
             try:
                 await fence(db)
             except ConfigurationError as exc:
-                app.state.problems.append(str(exc))
+                app.state.problems.append(exc)
                 raise
         primary_key = inserted.inserted_primary_key
         assert primary_key is not None  # an INSERT of one row has its key
@@ -199,15 +201,20 @@ async def test_without_the_proof_table_fence_names_it_and_rolls_back(tmp_path: A
     engine = create_async_engine(url)
     async with engine.begin() as conn:
         await conn.run_sync(metadata.create_all)
-    app = order_service(MemoryStore(), engine)
+    events: list[Event] = []
+    app = order_service(MemoryStore(), engine, on_event=events.append)
     async with client_for(app) as client:
-        answer = await post(client, "t")
+        answer = await post(client, "order-7f3a")
     assert answer.status_code == 500
-    [problem] = app.state.problems
+    [error] = app.state.problems
+    problem = str(error)
     assert "idempotency_proofs" in problem
     assert str(tmp_path / "app.db") in problem
     assert "migrate --proofs" in problem
-    assert await count(engine, "t") == 0
+    # The key is named by its hash, in the message and anywhere its traceback would be logged.
+    assert f"key {events[0].key_hash}" in problem
+    assert "order-7f3a" not in "".join(traceback.format_exception(error))
+    assert await count(engine, "order-7f3a") == 0
     await engine.dispose()
 
 

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
 
-from idempotency_mw import RedisStore, SQLStore, Store, StoreError
+from idempotency_mw import RedisStore, SQLStore, Store, StoreError, cli, install
+from tests.support.apps import client_for
+from tests.support.ports import free_ports
 
 pytestmark = pytest.mark.anyio
 
@@ -126,3 +131,42 @@ async def test_a_timeout_says_how_long_the_store_waited(silent_port: int) -> Non
     )
     assert message.startswith(f"claim on RedisStore(redis://:***@127.0.0.1:{silent_port}/0) ")
     assert message.endswith("within 0.3 s")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app:in-login@127.0.0.1:{port}/db?password=in-query",
+        "mysql://root:in-login@127.0.0.1:{port}/db?password=in-query",
+        "redis://:in-login@127.0.0.1:{port}/0?password=in-query",
+    ],
+    ids=["postgresql", "mariadb", "redis"],
+)
+async def test_a_password_in_a_store_url_is_never_logged_or_shown(
+    url: str, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A real connection to a port nothing listens on: every store failure is logged (the
+    # start, each request) and the operator's command prints it.
+    url = url.format(port=free_ports(1)[0])
+    store = RedisStore(url) if url.startswith("redis") else SQLStore(url)
+    app = FastAPI()
+    install(app, store=store)
+
+    @app.post("/tickets")
+    async def create() -> dict[str, int]:
+        return {"id": 1}
+
+    caplog.set_level(logging.DEBUG)
+    async with LifespanManager(app), client_for(app) as client:
+        answer = await client.post("/tickets", headers={"Idempotency-Key": "k"})
+    code = await asyncio.to_thread(cli.main, ["stats", "--url", url])
+    shown = capsys.readouterr()
+    assert answer.status_code == 503
+    assert code != 0
+    assert "unreachable at start-up" in caplog.text
+    assert "failed to claim key" in caplog.text
+    for seen in (caplog.text, answer.text, shown.out, shown.err, repr(store)):
+        assert "in-login" not in seen
+        assert "in-query" not in seen
+    assert ":***@127.0.0.1" in caplog.text
+    assert "password=***" in caplog.text

@@ -35,6 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from idempotency_mw._sqltypes import ExactString, LongBinary
+from idempotency_mw._urls import shown_url
 from idempotency_mw.client._closing import ClosedOnExit
 from idempotency_mw.client.journals.base import FIELDS, MUTABLE, from_row, to_row
 from idempotency_mw.client.values import JournalEntry, OperationState
@@ -82,7 +83,7 @@ def sync_url(url: str | URL) -> URL:
     try:
         parsed = make_url(url)
     except SQLAlchemyError as exc:
-        raise ConfigurationError(f"not a database URL: {url!r}") from exc
+        raise ConfigurationError(f"not a database URL: {shown_url(url)!r}") from exc
     backend = parsed.get_backend_name()
     if backend != "sqlite" and backend not in SYNC_DRIVERS:
         raise ConfigurationError(

@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar, cast
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
@@ -20,6 +19,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from idempotency_mw._backoff import Backoff
 from idempotency_mw._redis_client import binary_client
+from idempotency_mw._urls import shown_url
 from idempotency_mw.exceptions import ConfigurationError, store_error
 from idempotency_mw.metrics import key_hash
 from idempotency_mw.records import (
@@ -142,7 +142,7 @@ class RedisStore(RedisInspection, ClaimsWithToken):
             self._pipe = PipelinedConnection(self._address, timeout=socket_timeout)
             self._url: str | None = url
             self._owns_client = True
-            self._where = _masked(url)
+            self._where = shown_url(url)
             return
         made, self._owns_client = binary_client(
             url, client, connect, owner="RedisStore", holds="records hold binary response bodies"
@@ -152,7 +152,7 @@ class RedisStore(RedisInspection, ClaimsWithToken):
         # Known once: isinstance() on redis-py's generic client class costs microseconds.
         self._cluster = made if isinstance(made, RedisCluster) else None
         self._url = url
-        self._where = _masked(url) if url is not None else _address_of(self._client_of_own)
+        self._where = shown_url(url) if url is not None else _address_of(self._client_of_own)
 
     def __repr__(self) -> str:
         return f"RedisStore({self._where})"
@@ -375,15 +375,6 @@ def _plain_address(url: str) -> Address | None:
     if not plain or not set(options) <= {"host", "port", "path", "db", "username", "password"}:
         return None
     return Address(**options)
-
-
-def _masked(url: str) -> str:
-    """``url`` without its password."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    login = f"{parts.username or ''}:***@"
-    return urlunsplit(parts._replace(netloc=login + parts.netloc.rpartition("@")[2]))
 
 
 def _address_of(client: AsyncClient) -> str:

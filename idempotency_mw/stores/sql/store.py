@@ -12,6 +12,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.expression import Executable
 
+from idempotency_mw._urls import shown_url
 from idempotency_mw.exceptions import SettlementFeedUnsupported, StoreError, store_error
 from idempotency_mw.metrics import key_hash
 from idempotency_mw.records import (
@@ -111,7 +112,7 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         self._feeds = Feeds()
 
     def __repr__(self) -> str:
-        return f"SQLStore({self._driver.url.render_as_string(hide_password=True)})"
+        return f"SQLStore({shown_url(self._driver.url)})"
 
     async def _claim(
         self,

@@ -8,6 +8,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from idempotency_mw._urls import shown_url
 from idempotency_mw.exceptions import ConfigurationError, install_extra
 from idempotency_mw.stores.sql.drivers.base import Driver
 from idempotency_mw.stores.sql.drivers.engine import SQLAlchemyDriver, engine_for
@@ -33,7 +34,7 @@ def async_url(url: str | URL) -> URL:
     try:
         parsed = make_url(url)
     except SQLAlchemyError as exc:
-        raise ConfigurationError(f"not a database URL: {url!r}") from exc
+        raise ConfigurationError(f"not a database URL: {shown_url(url)!r}") from exc
     backend = parsed.get_backend_name()
     if backend not in ASYNC_DRIVERS:
         raise ConfigurationError(
