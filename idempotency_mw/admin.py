@@ -135,6 +135,12 @@ class RecordView:
         """In progress past its lease, TTL not over: its key answers 409 until it is taken."""
         return self.in_progress and self.lease_lapsed and not self.expired
 
+    @property
+    def releasable(self) -> bool:
+        """Whether a release (without ``force``) may delete it: in progress, and its effect
+        not committed (a release would let a retry run a committed effect again)."""
+        return self.in_progress and not self.fenced
+
 
 class ReleaseOutcome(enum.StrEnum):
     """What :func:`release` did."""
@@ -232,7 +238,7 @@ async def release_record(store: Inspectable, record: RecordView, *, force: bool)
     (then a completed or fenced one too: its request may run again). A request that settled
     the record since it was read is never undone: that is ``CHANGED``.
     """
-    if (not record.in_progress or record.fenced) and not force:
+    if not (record.releasable or force):
         return ReleaseResult(ReleaseOutcome.REFUSED, record)
     deleted = await store.force_release(record)
     return ReleaseResult(ReleaseOutcome.RELEASED if deleted else ReleaseOutcome.CHANGED, record)

@@ -68,6 +68,11 @@ _HEADERS = {
 }
 _MAX_FORM = 16 * 1024
 _MAX_SHOWN = 8 * 1024
+#: Why a record is not offered for release (the CLI refuses it too, without --force).
+_NOT_RELEASABLE = (
+    "Not released: the record is settled, or its effect was committed (a fenced commit), "
+    "and a release would let a retry run it again."
+)
 _JOURNAL_ACTIONS = {"retry": "Retry now", "confirmed": "Mark confirmed", "failed": "Mark failed"}
 
 
@@ -240,6 +245,8 @@ class _Panel:
         record = await self._found(ref)
         if record.version != version:
             raise _Refused("The record changed since it was listed: nothing changed.", 409)
+        if not record.releasable:
+            raise _Refused(_NOT_RELEASABLE, 409)
         body = [
             "<h1>Release this key?</h1>",
             "<section>",
@@ -270,10 +277,7 @@ class _Panel:
         logger.warning("panel: release of %s: %s", _digest(ref), outcome.value)
         messages = {
             ReleaseOutcome.RELEASED: ("ok", "Released: the key's next request runs again."),
-            ReleaseOutcome.REFUSED: (
-                "warn",
-                "Not released: the record is settled or its effect was committed.",
-            ),
+            ReleaseOutcome.REFUSED: ("warn", _NOT_RELEASABLE),
             ReleaseOutcome.CHANGED: (
                 "warn",
                 "Not released: the record changed since it was shown (a request settled or "
@@ -416,7 +420,10 @@ class _Panel:
                 _when(record.expires_at, record.now),
                 _response(record),
             ]
-            if release and self._actions:
+            if release and self._actions and not record.releasable:
+                # As the CLI refuses it: a retry would run a committed effect again.
+                row.append('<span class="muted">effect committed</span>')
+            elif release and self._actions:
                 query = urlencode({"ref": record.ref, "version": record.version})
                 url = f"{request.url_for('confirm_release')}?{query}"
                 row.append(f'<a class="button plain" href="{_e(url)}">Release…</a>')

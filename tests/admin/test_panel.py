@@ -14,9 +14,11 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import pytest
+from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
@@ -25,6 +27,7 @@ from idempotency_mw.client import IdempotentClient, JournalEntry, OperationState
 from idempotency_mw.client.journals import NOTE_HEADER
 from idempotency_mw.panel import panel
 from idempotency_mw.records import ClaimOutcome, RecordStatus
+from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
 from tests.conftest import _missing
 from tests.support.client_support import BASE_URL, Server, sqlite_store_at
@@ -153,6 +156,38 @@ async def test_a_release_runs_only_once_confirmed_on_its_page() -> None:
     assert await store.find_record(store.record_ref("", "order-17")) is None
     again = await store.claim("", "order-17", "hash-order-17", ttl=HOUR, lease=HOUR)
     assert again.outcome is ClaimOutcome.ACQUIRED
+
+
+async def test_a_key_whose_effect_was_committed_is_never_offered_for_release(
+    tmp_path: Path,
+) -> None:
+    # As the CLI refuses it up front: a release would let a retry run the effect again.
+    url = f"sqlite:///{tmp_path / 'idempotency.db'}"
+    store = await sqlite_store_at(tmp_path / "idempotency.db")
+    fenced = await store.claim("", "order-17", "hash-order-17", ttl=HOUR, lease=0.05)
+    assert fenced.token is not None
+    statement, params = store.fence_statement("", "order-17", fenced.token)
+    engine = create_async_engine(async_url(url))
+    async with engine.begin() as conn:
+        await conn.execute(statement, params)
+    await engine.dispose()
+    await stuck(store, "order-23")
+    record = await store.find_record(store.record_ref("", "order-17"))
+    assert record is not None
+    assert (record.stuck, record.fenced) == (True, True)
+    async with http_on(panel(store, actions=True)) as http:
+        page = (await http.get("/ops/")).text
+        (stuck_part,) = re.findall(r'id="stuck">.*?</section>', page, re.S)
+        (committed,) = [row for row in re.findall(r"<tr>.*?</tr>", stuck_part) if "order-17" in row]
+        assert "effect committed" in committed
+        assert "/release" not in committed
+        assert len(links(page, "/release")) == 1  # order-23's, stuck before its effect
+        query = urlencode({"ref": record.ref, "version": record.version})
+        refused = await http.get(f"/ops/release?{query}")
+    await store.aclose()
+    assert refused.status_code == 409
+    assert "effect was committed" in refused.text
+    assert "Release this key?" not in refused.text
 
 
 async def test_a_release_of_a_record_that_changed_meanwhile_changes_nothing() -> None:
