@@ -171,19 +171,26 @@ class ResponseRecorder:
             self._chunks.clear()
 
     def is_request_validation_error(self) -> bool:
-        """Whether the body is FastAPI's answer to a request that failed validation (the
-        endpoint never ran): ``{"detail": [{"loc": ..., "msg": ..., "type": ...}, ...]}``."""
-        if not self.replayable:
+        """Whether the response is a framework's answer to a request that failed validation
+        (the endpoint never ran): FastAPI's 422 ``{"detail": [{"loc": ..., "msg": ...,
+        "type": ...}, ...]}``, or Litestar's 400 ``{"status_code": 400, "detail": "Validation
+        failed for POST /path", "extra": [{"message": ..., "key": ..., ...}, ...]}``."""
+        if self.status not in (400, 422) or not self.replayable:
             return False
         try:
             answer = json.loads(b"".join(self._chunks))
         except ValueError:
             return False
-        detail = answer.get("detail") if isinstance(answer, dict) and len(answer) == 1 else None
+        if not isinstance(answer, dict):
+            return False
+        if self.status == 422 and answer.keys() == {"detail"}:
+            return _all_have(answer["detail"], {"loc", "msg", "type"})
         return (
-            isinstance(detail, list)
-            and bool(detail)
-            and all(isinstance(e, dict) and {"loc", "msg", "type"} <= e.keys() for e in detail)
+            self.status == 400
+            and answer.keys() == {"status_code", "detail", "extra"}
+            and answer["status_code"] == 400
+            and str(answer["detail"]).startswith("Validation failed for ")
+            and _all_have(answer["extra"], {"message", "key"})
         )
 
     def stored_response(self) -> StoredResponse | None:
@@ -191,6 +198,15 @@ class ResponseRecorder:
         if not self.replayable or not self.finished or self.status is None:
             return None
         return StoredResponse(self.status, self.headers, b"".join(self._chunks))
+
+
+def _all_have(entries: object, names: set[str]) -> bool:
+    """Whether ``entries`` is a non-empty list of objects that each have ``names``."""
+    return (
+        isinstance(entries, list)
+        and bool(entries)
+        and all(isinstance(e, dict) and names <= e.keys() for e in entries)
+    )
 
 
 async def send_replay(send: Send, response: StoredResponse) -> None:

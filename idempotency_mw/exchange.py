@@ -379,15 +379,15 @@ class Exchange:
         recorded (one cut short, sent as a file or too large as not replayable). Released: an
         answer given before the endpoint's door (unless ``fence()`` marked an effect), no
         response or a 5xx (unless ``store_server_errors``), a status of the route's
-        ``release_statuses``, and FastAPI's request validation answer on a route without an
-        endpoint's door (it came before the endpoint)."""
+        ``release_statuses``, and a framework's request validation answer (FastAPI's 422 on a
+        route without an endpoint's door, Litestar's 400): it came before the endpoint."""
         status = recorder.status
         if (
             status is None
             or not (self._began or self._entry_fenced())
             or (status >= 500 and not self.options.store_server_errors)
             or status in self.settings.release_statuses
-            or (status == 422 and recorder.is_request_validation_error())
+            or recorder.is_request_validation_error()
         ):
             await call.release(token)
             return

@@ -260,6 +260,26 @@ def test_routes_globs_apply_to_the_paths_of_an_app_whose_routes_cannot_be_read(
     assert other_app.post("/public/ping", key).headers.get("idempotent-replayed") == "true"
 
 
+@pytest.mark.parametrize(
+    "other_app",
+    [("litestar_wrapped", 1), ("litestar_defined", 1)],
+    indirect=True,
+    ids=["litestar_wrapped-1w", "litestar_defined-1w"],
+)
+def test_a_litestar_validation_error_releases_the_key(other_app: Served) -> None:
+    # Litestar answers 400 before its handler runs, as FastAPI answers 422: nothing happened,
+    # so nothing is recorded, and the corrected request runs under the same key.
+    key = new_key()
+    refused = other_app.post("/typed-orders", key, json={"amount": "one"})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["detail"].startswith("Validation failed for POST /typed-orders")
+    assert other_app.records_of(key) == []
+    answers = other_app.send_times("/typed-orders", key, json={"amount": 1})
+    assert [a.status_code for a in answers] == [201] * SENDS, answers[0].text
+    assert [a.headers.get("idempotent-replayed") for a in answers] == [None, "true", "true"]
+    assert other_app.effects.count(key) == 1
+
+
 # ---------------------------------------------------------------- item 4: fail-open and fence()
 
 

@@ -166,6 +166,14 @@ def _litestar_handlers() -> list[Any]:
         run = await effects.alog("orders", request.headers.get(KEY, ""), "done")
         return {"run": run, "amount": (await request.json())["amount"]}
 
+    @post("/typed-orders", status_code=201)
+    async def create_typed_order(
+        request: LitestarRequest[Any, Any, Any], data: dict[str, int]
+    ) -> dict[str, int]:
+        # Litestar validates ``data`` before this runs: a 400 when it is not a dict of ints.
+        run = await effects.alog("typed-orders", request.headers.get(KEY, ""), "done")
+        return {"run": run, **data}
+
     @post("/public/ping", status_code=201)
     async def ping() -> dict[str, bool]:
         return {"pong": True}
@@ -174,7 +182,7 @@ def _litestar_handlers() -> list[Any]:
     async def health() -> dict[str, bool]:
         return {"ok": True}
 
-    return [create_order, ping, health]
+    return [create_order, create_typed_order, ping, health]
 
 
 #: Optional keys under /public/, required everywhere else: the routes= globs on paths.
