@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import pytest
+import redis
 import redis.asyncio
 from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -55,6 +56,36 @@ POSTGRESQL_URL, MARIADB_URL = (
 )
 #: Redis keeps the run's keys under prefixes of each test's own, in a database that is not 0.
 REDIS_URL = os.environ.get("IDEMPOTENCY_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+
+
+def redis_prefix(name: str) -> str:
+    """A Redis key prefix of one test's own on ``REDIS_URL``, named after this run, so that
+    the run can check at its end that its tests left no key behind."""
+    return f"test-{name}-{RUN_ID}-{uuid.uuid4().hex}:"
+
+
+def forget_redis_prefix(prefix: str) -> None:
+    """Delete the keys under ``prefix`` on ``REDIS_URL`` (what a test's records left)."""
+    with redis.Redis.from_url(REDIS_URL) as client:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_redis_keys_left_behind() -> Iterator[None]:
+    """Fail the run (this worker's last test) if its tests left keys under their prefixes on
+    ``REDIS_URL``: a shared server must not fill up with records that live for a day."""
+    yield
+    try:
+        with redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2) as client:
+            left = sorted(k.decode() for k in client.scan_iter(match=f"test-*-{RUN_ID}-*"))
+            if left:
+                client.delete(*left)
+    except redis.ConnectionError:
+        return  # no server: the tests that needed one skipped (or failed, in CI)
+    assert not left, f"the run's tests left {len(left)} Redis keys behind: {left[:10]}"
+
 
 SERVER_DATABASES = {"postgresql": POSTGRESQL_URL, "mariadb": MARIADB_URL}
 DATABASES = ["sqlite", *SERVER_DATABASES]
@@ -265,7 +296,7 @@ async def built_store(
 
 @asynccontextmanager
 async def _redis_store(how: str, request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
-    prefix = f"test-idem-{uuid.uuid4().hex}:"
+    prefix = redis_prefix("idem")
     if how == "sentinel-client":
         sentinel: RedisSentinel = request.getfixturevalue("redis_sentinel")
         watcher = redis.asyncio.Sentinel([sentinel.sentinel_address])  # type: ignore[no-untyped-call, unused-ignore]

@@ -31,6 +31,7 @@ from tests.conftest import (
     REDIS_URL,
     SERVER_DATABASES,
     fresh_sql_store,
+    redis_prefix,
     require_server,
 )
 from tests.support.redis_servers import RedisCluster
@@ -76,7 +77,7 @@ async def target(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
         return
     if name == "redis":
         require_server(REDIS_URL)
-        prefix = f"test-cli-{uuid.uuid4().hex}:"
+        prefix = redis_prefix("cli")
         redis_store = RedisStore(REDIS_URL, prefix=prefix)
         yield Target(name, REDIS_URL, redis_store, ["--prefix", prefix])
         keys = [k async for k in redis_store.client.scan_iter(match=f"{prefix}*")]

@@ -28,7 +28,14 @@ from idempotency_mw.functions import (
     StillRunning,
 )
 from idempotency_mw.stores.sql import async_url
-from tests.conftest import POSTGRESQL_URL, REDIS_URL, fresh_sql_store, require_server
+from tests.conftest import (
+    POSTGRESQL_URL,
+    REDIS_URL,
+    forget_redis_prefix,
+    fresh_sql_store,
+    redis_prefix,
+    require_server,
+)
 from tests.support.function_worker import charge, protected, store_at
 from tests.support.queue_consumer import effects, metadata
 
@@ -285,7 +292,7 @@ async def test_a_crashed_workers_key_is_taken_over_once_its_lease_lapses(
     else:
         url = REDIS_URL
         require_server(url)
-    prefix = f"test-fn-{uuid.uuid4().hex}:"
+    prefix = redis_prefix("fn")
     key = f"charge:{uuid.uuid4().hex}"
     worker = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.support.function_worker", url, prefix, key, stdout=PIPE
@@ -309,6 +316,8 @@ async def test_a_crashed_workers_key_is_taken_over_once_its_lease_lapses(
         if worker.returncode is None:
             worker.kill()
             await worker.wait()
+        if backend == "redis":
+            forget_redis_prefix(prefix)
 
 
 def test_options_are_checked() -> None:

@@ -36,6 +36,7 @@ from tests.conftest import (
     POSTGRESQL_URL,
     REDIS_URL,
     fresh_sql_store,
+    redis_prefix,
     require_server,
 )
 from tests.support.faults import Cut, ServerProcess, TcpProxy, serve, upstream_port
@@ -169,7 +170,7 @@ class Backend:
 async def make_backend(name: str, tmp_path: Path) -> Backend:
     if name == "redis":
         require_server(REDIS_URL)
-        prefix = f"test-reliability-{uuid.uuid4().hex}:"
+        prefix = redis_prefix("reliability")
         return Backend(name, REDIS_URL, RedisStore(REDIS_URL, prefix=prefix), prefix)
     url = {
         "sqlite": f"sqlite:///{tmp_path / 'idempotency.db'}",

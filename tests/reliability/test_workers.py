@@ -19,7 +19,9 @@ from idempotency_mw.stores.sql import async_url
 from tests.conftest import (
     REDIS_URL,
     SERVER_DATABASES,
+    forget_redis_prefix,
     fresh_sql_store,
+    redis_prefix,
     require_server,
 )
 from tests.support.faults import ServerProcess
@@ -51,7 +53,7 @@ def running_workers(
 ) -> Iterator[list[ServerProcess]]:
     env = {
         "RELIABILITY_STORE": store_url,
-        "RELIABILITY_REDIS_PREFIX": f"test-workers-{uuid.uuid4().hex}:",
+        "RELIABILITY_REDIS_PREFIX": redis_prefix("workers"),
         "RELIABILITY_EFFECTS": str(tmp_path / "effects.db"),
         **settings,
     }
@@ -64,6 +66,8 @@ def running_workers(
     finally:
         for server in servers:
             server.stop()
+        if store_url.startswith("redis"):
+            forget_redis_prefix(env["RELIABILITY_REDIS_PREFIX"])
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -13,19 +14,32 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REDIS_URL, SERVER_DATABASES, fresh_sql_store, require_server
+from tests.conftest import (
+    REDIS_URL,
+    SERVER_DATABASES,
+    forget_redis_prefix,
+    fresh_sql_store,
+    redis_prefix,
+    require_server,
+)
 
 
 def service(kind: str, url: str, *keys: str) -> dict[str, Any]:
     """What :mod:`tests.support.loops_agent` reports of ``keys`` sent to a service on
     ``url``'s store."""
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.support.loops_agent", kind, url, *keys],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    prefix = redis_prefix("loops")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.support.loops_agent", kind, url, *keys],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env={**os.environ, "LOOPS_REDIS_PREFIX": prefix},
+        )
+    finally:
+        if url.startswith("redis"):
+            forget_redis_prefix(prefix)
     assert done.returncode == 0, done.stderr
     report: dict[str, Any] = json.loads(done.stdout)
     return report

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,7 +14,7 @@ from idempotency_mw.exceptions import ConfigurationError, StoreError
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.stores.base import Store
 from idempotency_mw.stores.redis import RedisStore, scripts
-from tests.conftest import REDIS_URL, require_server
+from tests.conftest import REDIS_URL, redis_prefix, require_server
 from tests.support import claimers
 from tests.support.claimers import outcomes_from_processes
 
@@ -30,7 +29,7 @@ RESPONSE = StoredResponse(
 
 
 def unique_prefix() -> str:
-    return f"test-idem-{uuid.uuid4().hex}:"
+    return redis_prefix("idem")
 
 
 async def delete_prefix(

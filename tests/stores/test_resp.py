@@ -19,7 +19,7 @@ from idempotency_mw.exceptions import ConfigurationError, StoreError
 from idempotency_mw.metrics import key_hash
 from idempotency_mw.stores.redis.resp import Address, PipelinedConnection, pack
 from idempotency_mw.stores.redis.store import RedisStore, Transport, _plain_address
-from tests.conftest import REDIS_URL, require_server
+from tests.conftest import REDIS_URL, redis_prefix, require_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.servers]
 
@@ -140,7 +140,7 @@ async def test_database_and_login_come_from_the_address(redis_client: redis.asyn
 
 def test_a_store_closed_in_one_event_loop_works_in_the_next() -> None:
     require_server(REDIS_URL)
-    store = RedisStore(REDIS_URL, prefix=f"test-resp-{uuid.uuid4().hex}:")
+    store = RedisStore(REDIS_URL, prefix=redis_prefix("resp"))
 
     async def claim_and_close(key: str) -> None:
         outcome = await store.claim("s", key, "fp", ttl=5, lease=5)
@@ -290,7 +290,7 @@ async def test_the_pipelined_transport_builds_no_redis_py_client(
         raise AssertionError("a redis-py client was built")
 
     monkeypatch.setattr(redis.asyncio.Redis, "from_url", refuse)
-    store = RedisStore(REDIS_URL, prefix=f"test-resp-{uuid.uuid4().hex}:")
+    store = RedisStore(REDIS_URL, prefix=redis_prefix("resp"))
     heard: asyncio.Queue[str] = asyncio.Queue()
     feed = asyncio.ensure_future(store.watch_settlements(heard.put_nowait))
     try:

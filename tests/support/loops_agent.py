@@ -4,7 +4,8 @@
 (``url``: a store made from URL; ``engine``: from an engine with SQLAlchemy's pool;
 ``engine-nullpool``:
 from an engine without one) and sends one POST per KEY, each in ``asyncio.run`` of its own, as
-a TestClient used without ``with`` does. Prints one JSON line: the statuses, how many times
+a TestClient used without ``with`` does; a Redis store's keys go under the prefix
+``LOOPS_REDIS_PREFIX`` names. Prints one JSON line: the statuses, how many times
 the handler ran, and the store failures logged. A process of its own, because the connections
 a closed loop leaves behind are collected whenever Python gets to them, warnings and all.
 """
@@ -14,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
-import uuid
 
 import httpx
 from fastapi import FastAPI
@@ -28,7 +29,7 @@ from idempotency_mw.stores.sql.drivers import async_url
 
 def store_of(kind: str, url: str) -> Store:
     if url.startswith("redis"):
-        return RedisStore(url, prefix=f"test-loops-{uuid.uuid4().hex}:")
+        return RedisStore(url, prefix=os.environ["LOOPS_REDIS_PREFIX"])
     if kind == "url":
         return SQLStore(url)
     pool = {"poolclass": NullPool} if kind == "engine-nullpool" else {}
