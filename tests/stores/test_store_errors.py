@@ -8,11 +8,15 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from idempotency_mw import RedisStore, SQLStore, Store, StoreError, cli, install
+from idempotency_mw.panel import panel
 from tests.support.apps import client_for
 from tests.support.ports import free_ports
 
@@ -159,13 +163,18 @@ async def test_a_password_in_a_store_url_is_never_logged_or_shown(
     caplog.set_level(logging.DEBUG)
     async with LifespanManager(app), client_for(app) as client:
         answer = await client.post("/tickets", headers={"Idempotency-Key": "k"})
+    operators = Starlette(routes=[Mount("/ops", panel(store))])
+    transport = httpx.ASGITransport(app=operators)
+    async with httpx.AsyncClient(transport=transport, base_url="http://ops.test") as client:
+        page = await client.get("/ops/")
     code = await asyncio.to_thread(cli.main, ["stats", "--url", url])
     shown = capsys.readouterr()
     assert answer.status_code == 503
+    assert page.status_code == 503
     assert code != 0
     assert "unreachable at start-up" in caplog.text
     assert "failed to claim key" in caplog.text
-    for seen in (caplog.text, answer.text, shown.out, shown.err, repr(store)):
+    for seen in (caplog.text, answer.text, page.text, shown.out, shown.err, repr(store)):
         assert "in-login" not in seen
         assert "in-query" not in seen
     assert ":***@127.0.0.1" in caplog.text
