@@ -226,10 +226,10 @@ async def test_a_retry_as_a_stalled_store_returns_waits_for_the_committed_answer
     # on and answered. A retry sent as the store came back, before the answer was recorded,
     # is told to come back (in-progress), not "committed, do not send again"; with wait=, it
     # waits for the answer.
-    app = ticket_service(store, engine, lease=0.4)
-    app.state.linger = 0.6
+    app = ticket_service(store, engine, lease=0.6)
+    app.state.linger = 0.8
     # Another worker of the service whose route waits for a key's outcome.
-    waiting = ticket_service(store, engine, lease=0.4, wait=5)
+    waiting = ticket_service(store, engine, lease=0.6, wait=5)
     store.pause("renew", "complete")
     answers: dict[str, httpx.Response] = {}
     async with client_for(app) as client, client_for(waiting) as waiting_client:
@@ -239,7 +239,7 @@ async def test_a_retry_as_a_stalled_store_returns_waits_for_the_committed_answer
                 answers[name] = await post(to, "p", "linger")
 
             group.start_soon(send, "first", client)
-            await anyio.sleep(0.8)  # answered, its lease lapsed, its completion held
+            await anyio.sleep(1.0)  # answered, its lease lapsed, its completion held
             await send("retry", client)
             group.start_soon(send, "waiting", waiting_client)
             await anyio.sleep(0.2)
