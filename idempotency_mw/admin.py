@@ -250,6 +250,19 @@ async def stats(url: str, *, prefix: str = DEFAULT_REDIS_PREFIX) -> StoreStats:
         return await store.record_stats()
 
 
+async def build_store(url: str, *, prefix: str = DEFAULT_REDIS_PREFIX) -> InspectableStore:
+    """The store at ``url``, built as :func:`open_store` builds it, not started."""
+    if is_redis_url(url):
+        from idempotency_mw.stores.redis import RedisStore
+
+        return RedisStore(url, prefix=prefix, cluster=await _is_cluster(url), transport="redis-py")
+    from idempotency_mw.stores.sql import SQLStore, async_url
+
+    _refuse_a_missing_sqlite_file(url)
+    async_url(url)  # an unsupported database is a ConfigurationError before any driver
+    return SQLStore(url)
+
+
 @asynccontextmanager
 async def open_store(
     url: str, *, prefix: str = DEFAULT_REDIS_PREFIX
@@ -259,17 +272,7 @@ async def open_store(
     A SQLite file that does not exist is refused rather than made; a Redis URL that names a
     node of a cluster opens the cluster.
     """
-    store: InspectableStore
-    if is_redis_url(url):
-        from idempotency_mw.stores.redis import RedisStore
-
-        store = RedisStore(url, prefix=prefix, cluster=await _is_cluster(url), transport="redis-py")
-    else:
-        from idempotency_mw.stores.sql import SQLStore, async_url
-
-        _refuse_a_missing_sqlite_file(url)
-        async_url(url)  # an unsupported database is a ConfigurationError before any driver
-        store = SQLStore(url)
+    store = await build_store(url, prefix=prefix)
     try:
         await store.startup()
         yield store

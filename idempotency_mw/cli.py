@@ -1,5 +1,5 @@
-"""The ``idempotency-mw`` command: migrations, the purge, an operator's look at a store, and
-the operator's web panel.
+"""The ``idempotency-mw`` command: migrations, the purge, an operator's look at a store, the
+operator's web panel, and the Store contract's conformance cases.
 
 Parsing and printing only; the work is done by the stores (through :mod:`idempotency_mw.admin`),
 :mod:`idempotency_mw.panel`, the purge and the packaged Alembic revisions. Drivers are imported
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from idempotency_mw._version import __version__
 from idempotency_mw.admin import DEFAULT_REDIS_PREFIX, relative_time
 from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
+from idempotency_mw.conformance import CASES
 from idempotency_mw.exceptions import (
     ConfigurationError,
     SchemaError,
@@ -53,6 +54,8 @@ EXTRA_OF_MODULE = {
     "httpx": "client",
 }
 DEFAULT_TIMEOUT = 30.0
+#: The Redis prefix of the conformance cases' records: never the app's own.
+CONFORMANCE_PREFIX = "idem-conformance:"
 
 
 class _Failed(Exception):
@@ -232,6 +235,39 @@ def _stats(args: argparse.Namespace) -> int:
     else:
         _print_stats(stats)
     return 0
+
+
+# --- conformance --------------------------------------------------------------------------------
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    from idempotency_mw.admin import build_store
+    from idempotency_mw.testing import conformance
+
+    # Opened once first: a missing table or an unreachable server is said once, not per case.
+    _run(_opened(args.store, args.prefix), args.timeout)
+    result = asyncio.run(
+        conformance(
+            lambda: build_store(args.store, prefix=args.prefix),
+            cases=args.case,
+            tick=args.tick,
+            case_timeout=args.timeout,
+            on_result=lambda case: print(case, flush=True),
+        )
+    )
+    print(result.summary)
+    if not result.ok:
+        raise _Failed(
+            f"the store broke the contract in {len(result.failed)} of {len(result.cases)} cases"
+        )
+    return 0
+
+
+async def _opened(url: str, prefix: str) -> None:
+    from idempotency_mw.admin import open_store
+
+    async with open_store(url, prefix=prefix):
+        pass
 
 
 # --- the panel ----------------------------------------------------------------------------------
@@ -513,6 +549,40 @@ def _parser() -> argparse.ArgumentParser:
         "stats", _stats, "count records by status, fenced and expired ones, the table's size"
     )
     store_options(stats, keyed=False)
+
+    conformance = command(
+        "conformance",
+        _conformance,
+        "run the Store contract's cases on a store: each in a scope of its own, its records "
+        "deleted after it; exits 1 if any case fails",
+    )
+    conformance.add_argument(
+        "--store", "--url", dest="store", required=True, help="database or redis:// URL"
+    )
+    conformance.add_argument(
+        "--prefix",
+        default=CONFORMANCE_PREFIX,
+        help=f"Redis key prefix of the cases' records (default: {CONFORMANCE_PREFIX})",
+    )
+    conformance.add_argument(
+        "--case",
+        action="append",
+        choices=CASES,
+        metavar="NAME",
+        help="run only this case (repeatable; default: all)",
+    )
+    conformance.add_argument(
+        "--tick",
+        type=float,
+        default=0.1,
+        help="the shortest lease and TTL the cases give, in seconds (default: 0.1)",
+    )
+    conformance.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help=f"seconds each case may take (default: {DEFAULT_TIMEOUT:g})",
+    )
 
     served = command(
         "panel",

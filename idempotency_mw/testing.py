@@ -1,4 +1,5 @@
-"""Helpers for tests: :class:`MemoryStore`, a store that needs no server."""
+"""Helpers for tests: :class:`MemoryStore`, a store that needs no server, and
+:func:`conformance`, the Store contract's cases for a store of your own."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from idempotency_mw.admin import RecordView, StoreStats, pair_of, pair_ref, record_version
+from idempotency_mw.conformance import CASES, CaseResult, ConformanceResult, conformance
 from idempotency_mw.records import Claim, ClaimOutcome, RecordStatus, StoredResponse
 from idempotency_mw.stores.base import ClaimsWithToken
 
-__all__ = ["MemoryStore"]
+__all__ = ["CASES", "CaseResult", "ConformanceResult", "MemoryStore", "conformance"]
 
 
 @dataclass(frozen=True, slots=True)

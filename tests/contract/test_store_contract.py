@@ -1,22 +1,22 @@
-"""The Store contract, checked directly on every store, built every way a user can build it."""
+"""The Store contract, checked directly on every store, built every way a user can build it.
+
+The contract's cases are the conformance suite's (``idempotency_mw.testing.conformance``), one
+test per case and store; what only this project's stores promise is checked here besides.
+"""
 
 from __future__ import annotations
 
 import functools
-import os
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import cast
 
 import anyio
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw import Claim, ClaimOutcome, SQLStore, Store, StoredResponse
-from idempotency_mw.records import new_token
-from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.testing import CASES, conformance
 from tests.conftest import (
     DATABASES,
     SERVER_DATABASES,
@@ -84,6 +84,13 @@ RESPONSE = StoredResponse(
 )
 
 
+@pytest.mark.parametrize("case", list(CASES))
+async def test_the_store_conforms(store: Store, case: str) -> None:
+    # Our stores count milliseconds: a lease of 50 ms lapses as surely as one of 100.
+    result = await conformance(lambda: store, cases=[case], tick=0.05)
+    assert result.passed == (case,), str(result)
+
+
 async def acquire(store: Store, key: str = "k", fingerprint: str = "f", **times: float) -> str:
     claim = await store.claim(
         "", key, fingerprint, ttl=times.get("ttl", TTL), lease=times.get("lease", LEASE)
@@ -91,42 +98,6 @@ async def acquire(store: Store, key: str = "k", fingerprint: str = "f", **times:
     assert claim.outcome is ClaimOutcome.ACQUIRED
     assert claim.token
     return claim.token
-
-
-async def test_the_same_claim_delivered_twice_acquires_both_times(store: Store) -> None:
-    # A claim whose reply was lost is delivered again (by the driver, or by the store's own
-    # rerun of a dead pooled connection): it must not find itself in the way.
-    token = new_token()
-    seam = cast(ClaimsWithToken, store)
-    first = await seam._claim("", "k", "f", ttl=TTL, lease=LEASE, token=token)
-    again = await seam._claim("", "k", "f", ttl=TTL, lease=LEASE, token=token)
-    assert first == again == Claim(ClaimOutcome.ACQUIRED, token=token)
-    # Every other request still finds the key taken.
-    assert (await store.claim("", "k", "f", ttl=TTL, lease=LEASE)).outcome is (
-        ClaimOutcome.IN_PROGRESS
-    )
-    assert await store.complete("", "k", token, RESPONSE, ttl=TTL)
-    replay = await seam._claim("", "k", "f", ttl=TTL, lease=LEASE, token=token)
-    assert replay.outcome is ClaimOutcome.REPLAY
-
-
-@pytest.mark.parametrize("response", [RESPONSE, None], ids=["replayable", "unreplayable"])
-async def test_a_completion_delivered_twice_is_acknowledged_both_times(
-    store: Store, response: StoredResponse | None
-) -> None:
-    # Run again after its reply was lost, a completion must not read as a takeover.
-    token = await acquire(store)
-    assert await store.complete("", "k", token, response, ttl=TTL)
-    assert await store.complete("", "k", token, response, ttl=TTL)
-    again = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
-    if response is None:
-        assert again.outcome is ClaimOutcome.UNREPLAYABLE
-    else:
-        assert again == Claim(ClaimOutcome.REPLAY, response=response)
-    # Another token, or the other kind of outcome, still changes nothing.
-    assert not await store.complete("", "k", new_token(), RESPONSE, ttl=TTL)
-    assert not await store.complete("", "k", token, None if response else RESPONSE, ttl=TTL)
-    assert await store.claim("", "k", "f", ttl=TTL, lease=LEASE) == again
 
 
 async def test_store_calls_leave_no_garbage_for_the_collector(store: Store) -> None:
@@ -147,180 +118,6 @@ async def test_store_calls_leave_no_garbage_for_the_collector(store: Store) -> N
     assert replay.outcome is ClaimOutcome.REPLAY
     assert released
     assert garbage == []
-
-
-async def test_complete_after_ttl_and_lease_both_passed_is_refused(store: Store) -> None:
-    # Nobody took the key over, but it counts as absent now: a late writer must not revive it.
-    token = await acquire(store, ttl=0.2, lease=0.2)
-    await anyio.sleep(0.4)
-    assert not await store.renew("", "k", token, lease=LEASE)
-    assert not await store.complete("", "k", token, RESPONSE, ttl=TTL)
-    assert not await store.release("", "k", token)
-    await acquire(store, fingerprint="any request may take the key")
-
-
-async def test_first_claim_acquires_and_repeat_is_in_progress(store: Store) -> None:
-    await acquire(store)
-    again = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
-    assert again.outcome is ClaimOutcome.IN_PROGRESS
-    assert again.token is None
-
-
-async def test_completed_record_replays_exact_response(store: Store) -> None:
-    token = await acquire(store)
-    assert await store.complete("", "k", token, RESPONSE, ttl=TTL)
-    claim = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
-    assert claim.outcome is ClaimOutcome.REPLAY
-    assert claim.response == RESPONSE
-
-
-async def test_other_fingerprint_is_mismatch_in_progress_and_completed(store: Store) -> None:
-    token = await acquire(store)
-    assert (await store.claim("", "k", "other", ttl=TTL, lease=LEASE)).outcome is (
-        ClaimOutcome.MISMATCH
-    )
-    await store.complete("", "k", token, RESPONSE, ttl=TTL)
-    assert (await store.claim("", "k", "other", ttl=TTL, lease=LEASE)).outcome is (
-        ClaimOutcome.MISMATCH
-    )
-
-
-async def test_steps_that_skip_their_flush_have_the_same_outcomes(store: Store) -> None:
-    claim = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, durable=False)
-    assert claim.outcome is ClaimOutcome.ACQUIRED
-    assert claim.token is not None
-    again = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, durable=False)
-    assert again.outcome is ClaimOutcome.IN_PROGRESS
-    other = await store.claim("", "k", "other", ttl=TTL, lease=LEASE, durable=False)
-    assert other.outcome is ClaimOutcome.MISMATCH
-    assert await store.complete("", "k", claim.token, RESPONSE, ttl=TTL, durable=False)
-    # Delivered twice: acknowledged again.
-    assert await store.complete("", "k", claim.token, RESPONSE, ttl=TTL, durable=False)
-    assert not await store.complete("", "k", "not-mine", RESPONSE, ttl=TTL, durable=False)
-    replay = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
-    assert replay.outcome is ClaimOutcome.REPLAY
-    assert replay.response == RESPONSE
-
-
-async def test_unreplayable_record(store: Store) -> None:
-    token = await acquire(store)
-    assert await store.complete("", "k", token, None, ttl=TTL)
-    claim = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
-    assert claim.outcome is ClaimOutcome.UNREPLAYABLE
-
-
-async def test_release_lets_the_next_claim_run(store: Store) -> None:
-    token = await acquire(store)
-    assert await store.release("", "k", token)
-    await acquire(store, fingerprint="another request may now use the key")
-
-
-async def test_lapsed_lease_is_taken_over_and_stale_token_is_refused(store: Store) -> None:
-    stale = await acquire(store, lease=0.2)
-    await anyio.sleep(0.4)
-    fresh = await acquire(store)
-    assert fresh != stale
-    assert not await store.complete("", "k", stale, RESPONSE, ttl=TTL)
-    assert not await store.renew("", "k", stale, lease=LEASE)
-    assert not await store.release("", "k", stale)
-    # The stale worker changed nothing: the new owner still holds the key.
-    assert (await store.claim("", "k", "f", ttl=TTL, lease=LEASE)).outcome is (
-        ClaimOutcome.IN_PROGRESS
-    )
-    assert await store.complete("", "k", fresh, RESPONSE, ttl=TTL)
-
-
-async def test_lapsed_lease_with_other_fingerprint_is_mismatch(store: Store) -> None:
-    await acquire(store, lease=0.2)
-    await anyio.sleep(0.4)
-    claim = await store.claim("", "k", "other", ttl=TTL, lease=LEASE)
-    assert claim.outcome is ClaimOutcome.MISMATCH
-
-
-async def test_a_record_is_bound_to_its_callers_credentials(store: Store) -> None:
-    claim = await store.claim("", "k", "f", ttl=TTL, lease=0.1, binding="alice")
-    assert claim.token
-    assert (await store.claim("", "k", "f", ttl=TTL, lease=LEASE, binding="bob")).outcome is (
-        ClaimOutcome.CREDENTIAL_MISMATCH
-    )
-    await anyio.sleep(0.2)
-    # A lapsed lease is taken over by the same request of the same caller only.
-    for other in ("bob", ""):
-        late = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, binding=other)
-        assert late.outcome is ClaimOutcome.CREDENTIAL_MISMATCH
-    retry = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, binding="alice")
-    assert retry.outcome is ClaimOutcome.ACQUIRED
-    assert retry.token
-    assert await store.complete("", "k", retry.token, RESPONSE, ttl=TTL)
-    # Checked before the fingerprint: another caller learns nothing of the request.
-    other_body = await store.claim("", "k", "other", ttl=TTL, lease=LEASE, binding="bob")
-    assert other_body.outcome is ClaimOutcome.CREDENTIAL_MISMATCH
-    replay = await store.claim("", "k", "f", ttl=TTL, lease=LEASE, binding="alice")
-    assert replay.outcome is ClaimOutcome.REPLAY
-
-
-async def test_renew_keeps_the_lease(store: Store) -> None:
-    token = await acquire(store, lease=0.5)
-    for _ in range(4):
-        await anyio.sleep(0.2)
-        assert await store.renew("", "k", token, lease=0.5)
-    assert (await store.claim("", "k", "f", ttl=TTL, lease=LEASE)).outcome is (
-        ClaimOutcome.IN_PROGRESS
-    )
-
-
-async def test_expired_record_is_absent_for_any_request(store: Store) -> None:
-    token = await acquire(store, ttl=0.3)
-    await store.complete("", "k", token, RESPONSE, ttl=0.3)
-    await anyio.sleep(0.5)
-    await acquire(store, fingerprint="a different request")
-
-
-async def test_scopes_are_isolated(store: Store) -> None:
-    token = await acquire(store)
-    await store.complete("", "k", token, RESPONSE, ttl=TTL)
-    other = await store.claim("caller-b", "k", "f", ttl=TTL, lease=LEASE)
-    assert other.outcome is ClaimOutcome.ACQUIRED
-
-
-async def test_keys_are_case_sensitive(store: Store) -> None:
-    await acquire(store, key="Key-A")
-    await acquire(store, key="key-a")
-
-
-async def test_fifty_concurrent_claims_have_one_winner(store: Store) -> None:
-    outcomes: list[ClaimOutcome] = []
-
-    async def claim() -> None:
-        result = await store.claim("", "hot", "f", ttl=TTL, lease=LEASE)
-        outcomes.append(result.outcome)
-
-    async with anyio.create_task_group() as group:
-        for _ in range(50):
-            group.start_soon(claim)
-    assert outcomes.count(ClaimOutcome.ACQUIRED) == 1
-    assert outcomes.count(ClaimOutcome.IN_PROGRESS) == 49
-
-
-async def test_large_binary_payload_round_trips(store: Store) -> None:
-    body = os.urandom(3 << 20) + bytes(range(256))
-    response = StoredResponse(200, ((b"content-type", b"application/octet-stream"),), body)
-    token = await acquire(store)
-    await store.complete("", "k", token, response, ttl=TTL)
-    claim = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
-    assert claim.response == response
-
-
-async def test_times_come_from_the_store_not_the_worker_clock(
-    store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    await acquire(store, lease=LEASE)
-    # A worker whose clock runs a day ahead must still see the lease as held.
-    ahead = time.time() + 86400
-    monkeypatch.setattr(time, "time", lambda: ahead)
-    monkeypatch.setattr(time, "time_ns", lambda: int(ahead * 1e9))
-    claim = await store.claim("", "k", "f", ttl=TTL, lease=LEASE)
-    assert claim.outcome is ClaimOutcome.IN_PROGRESS
 
 
 async def test_claims_from_several_processes_have_one_winner(

@@ -1,0 +1,91 @@
+"""``idempotency-mw conformance``: the Store contract's cases on the store at a URL, each
+printed, nothing left behind, and a failing case makes the command fail."""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from idempotency_mw.cli import main
+from idempotency_mw.testing import CASES
+from tests.conftest import REDIS_URL, require_server
+
+FAST = ["--tick", "0.05"]
+
+
+def migrated_sqlite(tmp_path: Path) -> tuple[str, Path]:
+    path = tmp_path / "app.db"
+    url = f"sqlite:///{path}"
+    assert main(["migrate", "--url", url]) == 0
+    return url, path
+
+
+def assert_every_case_passed(out: str) -> None:
+    lines = out.splitlines()
+    assert [line.split()[:2] for line in lines[-len(CASES) - 1 : -1]] == [
+        ["PASSED", name] for name in CASES
+    ]
+    assert lines[-1] == f"{len(CASES)} passed, 0 failed, 0 skipped"
+
+
+def test_the_cases_pass_on_sqlite_and_leave_no_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, path = migrated_sqlite(tmp_path)
+    capsys.readouterr()
+    assert main(["conformance", "--store", url, *FAST]) == 0
+    assert_every_case_passed(capsys.readouterr().out)
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM idempotency_records").fetchone() == (0,)
+
+
+def test_the_cases_pass_on_redis_and_leave_no_key(capsys: pytest.CaptureFixture[str]) -> None:
+    require_server(REDIS_URL)
+    prefix = f"test-conformance-{uuid.uuid4().hex}:"
+    assert main(["conformance", "--store", REDIS_URL, "--prefix", prefix, *FAST]) == 0
+    assert_every_case_passed(capsys.readouterr().out)
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        assert list(client.scan_iter(match=f"{prefix}*")) == []
+    finally:
+        client.close()
+
+
+def test_a_failing_case_fails_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A database that refuses large rows cannot keep a large response for its replay.
+    url, path = migrated_sqlite(tmp_path)
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "CREATE TRIGGER small_rows BEFORE UPDATE OF result_payload ON idempotency_records "
+            "WHEN length(NEW.result_payload) > 1000000 BEGIN SELECT RAISE(ABORT, 'too large'); END"
+        )
+    capsys.readouterr()
+    cases = ["scopes_are_isolated", "a_large_binary_response_round_trips"]
+    code = main(["conformance", "--url", url, *(f"--case={case}" for case in cases)])
+    out, err = capsys.readouterr()
+    assert code == 1
+    passed, failed, summary = out.splitlines()
+    assert passed.startswith("PASSED  scopes_are_isolated (")
+    assert failed.startswith("FAILED  a_large_binary_response_round_trips (")
+    assert "the store raised StoreError" in failed
+    assert "too large" in failed
+    assert summary == "1 passed, 1 failed, 0 skipped"
+    assert err == "idempotency-mw: the store broke the contract in 1 of 2 cases\n"
+
+
+def test_a_store_without_its_table_is_said_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "empty.db"
+    sqlite3.connect(path).close()
+    assert main(["conformance", "--store", f"sqlite:///{path}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1
+    assert "idempotency-mw migrate" in err

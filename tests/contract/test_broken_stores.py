@@ -1,0 +1,130 @@
+"""The conformance suite catches a broken store: each breaks one rule of the Store contract,
+and the cases that name that rule fail while the others pass."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio.lowlevel
+import pytest
+
+from idempotency_mw import Claim, StoredResponse
+from idempotency_mw.records import ClaimOutcome
+from idempotency_mw.testing import ConformanceResult, MemoryStore, conformance
+
+pytestmark = pytest.mark.anyio
+
+
+class TokenBlindStore(MemoryStore):
+    """Completes a record with whatever token it is given (it passes the holder's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holders: dict[tuple[str, str], str] = {}
+
+    async def _claim(self, scope: str, key: str, fingerprint: str, **options: Any) -> Claim:
+        claim = await super()._claim(scope, key, fingerprint, **options)
+        if claim.outcome is ClaimOutcome.ACQUIRED:
+            self.holders[scope, key] = options["token"]
+        return claim
+
+    async def complete(
+        self, scope: str, key: str, token: str, response: StoredResponse | None, **options: Any
+    ) -> bool:
+        holder = self.holders.get((scope, key), token)
+        return await super().complete(scope, key, holder, response, **options)
+
+
+class ReadThenWriteStore(MemoryStore):
+    """Reads the record, then writes its claim in another step: claims that meet in between
+    all see the key free."""
+
+    async def _claim(self, scope: str, key: str, fingerprint: str, **options: Any) -> Claim:
+        ref = self.record_ref(scope, key)
+        seen = await self.find_record(ref)
+        await anyio.lowlevel.checkpoint()  # the round trip between the read and the write
+        if seen is None or seen.expired:
+            written = await self.find_record(ref)
+            if written is not None:
+                await self.force_release(written)  # the write overwrites what it did not read
+        return await super()._claim(scope, key, fingerprint, **options)
+
+
+class CallersClockStore(MemoryStore):
+    """Times leases and TTLs by the calling worker's wall clock, read at each call (what a store
+    does that writes ``time.time() + lease`` into a shared table)."""
+
+    def __init__(self) -> None:
+        super().__init__(clock=lambda: time.time())
+
+
+class LeaseRetentionStore(MemoryStore):
+    """Keeps a completed record until its claim's lease ends, not for the TTL it was given."""
+
+    async def complete(
+        self, scope: str, key: str, token: str, response: StoredResponse | None, **options: Any
+    ) -> bool:
+        record = await self.find_record(self.record_ref(scope, key))
+        lease_left = 0.0
+        if record is not None:
+            lease_left = (record.lease_expires_at - record.now).total_seconds()
+        options["ttl"] = max(lease_left, 0.001)
+        return await super().complete(scope, key, token, response, **options)
+
+
+async def failed_cases(broken: type[MemoryStore]) -> set[str]:
+    result: ConformanceResult = await conformance(broken, tick=0.05)
+    assert not result.skipped, str(result)
+    assert not result.ok
+    return {case.name for case in result.failed}
+
+
+async def test_a_store_that_ignores_the_token_on_complete_fails() -> None:
+    assert await failed_cases(TokenBlindStore) == {
+        "a_strangers_token_changes_nothing",
+        "a_lapsed_lease_is_taken_over_and_the_stale_holder_changes_nothing",
+        "a_completion_delivered_twice_is_acknowledged_both_times",
+        "steps_that_skip_their_flush_have_the_same_outcomes",
+    }
+
+
+async def test_a_store_that_reads_then_writes_fails() -> None:
+    assert await failed_cases(ReadThenWriteStore) == {"of_concurrent_claims_exactly_one_acquires"}
+
+
+async def test_a_store_on_the_callers_clock_fails() -> None:
+    assert await failed_cases(CallersClockStore) == {"leases_and_ttls_run_on_the_stores_clock"}
+
+
+async def test_a_store_that_forgets_retention_fails() -> None:
+    # Kept as long as the lease, a record outlives a TTL shorter than its lease too.
+    assert await failed_cases(LeaseRetentionStore) == {
+        "a_completed_record_keeps_its_retention",
+        "an_expired_record_is_absent",
+        "a_purge_never_touches_live_records",
+    }
+
+
+async def test_the_result_names_each_failure_and_its_message() -> None:
+    result = await conformance(
+        CallersClockStore,
+        cases=["first_claim_acquires_and_a_repeat_is_in_progress", *_CLOCK],
+    )
+    assert result.passed == ("first_claim_acquires_and_a_repeat_is_in_progress",)
+    (failure,) = result.failed
+    assert failure.name == _CLOCK[0]
+    assert failure.message == "a claim from a worker a day ahead answered ACQUIRED, not IN_PROGRESS"
+    lines = str(result).splitlines()
+    assert lines[0].startswith("PASSED  first_claim_acquires_and_a_repeat_is_in_progress (")
+    assert lines[1].startswith(f"FAILED  {_CLOCK[0]} (")
+    assert lines[1].endswith(f": {failure.message}")
+    assert lines[2] == "1 passed, 1 failed, 0 skipped"
+
+
+_CLOCK = ["leases_and_ttls_run_on_the_stores_clock"]
+
+
+async def test_an_unknown_case_is_refused() -> None:
+    with pytest.raises(ValueError, match="no such conformance case: nope"):
+        await conformance(MemoryStore, cases=["nope"])
