@@ -502,7 +502,7 @@ async def long_keys_are_never_truncated_into_one(bench: _Bench) -> None:
     # justonce #50: long keys truncated, so two of them shared a record. A store that keeps a
     # digest of a long name must also tell it from a name that spells that digest.
     prefix = "k" * 1000
-    longs = [prefix + "1", prefix + "2", "x" * 256, "x" * 255]
+    longs = [prefix + "1", prefix + "2", "x" * 256, "x" * 255, "y" * 254 + "1", "y" * 254 + "2"]
     spelled = [f"sha256:{hashlib.sha256(name.encode()).hexdigest()}" for name in longs]
     for key in [*longs, *spelled]:
         token = await bench.acquire(key, what=f"the first claim of a key of {len(key)} characters")
@@ -588,11 +588,12 @@ async def conformance(
 ) -> ConformanceResult:
     """Run the Store contract's cases on stores that ``make_store`` builds.
 
-    ``make_store()`` (sync or async) is called once per case and returns a new store, as the
-    app would build it, not yet started: the suite calls its ``startup()``, runs the case,
-    deletes the records the case wrote (through :class:`~idempotency_mw.stores.base.Inspectable`
-    where the store offers it) and calls its ``aclose()``. Stores may share a server, a table
-    or a prefix: each case works in a scope of its own, unique to the run.
+    ``make_store()`` (sync or async) is called once per case and returns a store as the app
+    would build it, not yet started: the suite calls its ``startup()``, runs the case, deletes
+    the records the case wrote (through :class:`~idempotency_mw.stores.base.Inspectable` where
+    the store offers it) and calls its ``aclose()``. It may return one store every time if that
+    store can be started again once closed (this package's stores can). Stores may share a
+    server, a table or a prefix: each case works in a scope of its own, unique to the run.
 
     ``cases`` names the cases to run (all of :data:`CASES` by default). ``tick`` is the
     shortest lease and TTL the cases give, in seconds (they wait twice that for it to end);

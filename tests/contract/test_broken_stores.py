@@ -17,7 +17,7 @@ pytestmark = pytest.mark.anyio
 
 
 class TokenBlindStore(MemoryStore):
-    """Completes a record with whatever token it is given (it passes the holder's own)."""
+    """Completes a record whatever token it is given: it passes on the holder's own."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,6 +73,18 @@ class LeaseRetentionStore(MemoryStore):
         return await super().complete(scope, key, token, response, **options)
 
 
+class StaleRenewalStore(MemoryStore):
+    """Acknowledges a renewal but keeps the lease it had: a key its holder renews is taken
+    over as an orphan once the first lease ends (Powertools #8386)."""
+
+    async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
+        record = await self.find_record(self.record_ref(scope, key))
+        if record is None:
+            return False
+        left = (record.lease_expires_at - record.now).total_seconds()
+        return await super().renew(scope, key, token, lease=left)
+
+
 async def failed_cases(broken: type[MemoryStore]) -> set[str]:
     result: ConformanceResult = await conformance(broken, tick=0.05)
     assert not result.skipped, str(result)
@@ -104,6 +116,10 @@ async def test_a_store_that_forgets_retention_fails() -> None:
         "an_expired_record_is_absent",
         "a_purge_never_touches_live_records",
     }
+
+
+async def test_a_store_whose_renewals_do_not_last_fails() -> None:
+    assert await failed_cases(StaleRenewalStore) == {"a_renewed_lease_is_never_taken_over"}
 
 
 async def test_the_result_names_each_failure_and_its_message() -> None:
