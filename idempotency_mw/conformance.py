@@ -4,13 +4,14 @@ Each case builds a store with the caller's factory, starts it, works on names of
 scope unique to the run and the case, so stores that share a server never meet), deletes the
 records it wrote where the store is :class:`~idempotency_mw.stores.base.Inspectable`, and closes
 the store. Times are judged on the store's clock: the cases only sleep, and one moves this
-process's wall clock to play a worker whose clock is wrong.
+process's clocks to play a worker whose clock is wrong.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import inspect
 import os
@@ -201,17 +202,28 @@ def _proved_within(sent: float, lease: float) -> bool:
 
 
 @contextmanager
-def _wall_clock_moved(seconds: float) -> Iterator[None]:
-    """This process's wall clock (``time.time``, ``time.time_ns``) off by ``seconds``: the clock
-    of another worker. The monotonic clock is left alone, as the event loop's timers run on it."""
-    real, real_ns = time.time, time.time_ns
-    time.time = lambda: real() + seconds
-    time.time_ns = lambda: real_ns() + int(seconds * 1e9)
+def _clocks_moved(seconds: float) -> Iterator[None]:
+    """This process's clocks off by ``seconds``, as another worker's would be: the wall clock
+    (``time.time``, ``time.time_ns``) either way, the monotonic one (``time.monotonic``,
+    ``time.monotonic_ns``, the event loop's time) only back. Moved ahead, it would fire every
+    timer of the event loop at once; moved back, it holds them for the call only."""
+    moved = {"time": (time.time, seconds), "time_ns": (time.time_ns, int(seconds * 1e9))}
+    if seconds < 0:
+        moved |= {
+            "monotonic": (time.monotonic, seconds),
+            "monotonic_ns": (time.monotonic_ns, int(seconds * 1e9)),
+        }
+    for name, (real, offset) in moved.items():
+        setattr(time, name, functools.partial(_offset, real, offset))
     try:
         yield
     finally:
-        time.time = real
-        time.time_ns = real_ns
+        for name, (real, _) in moved.items():
+            setattr(time, name, real)
+
+
+def _offset(clock: Callable[[], Any], offset: Any) -> Any:
+    return clock() + offset
 
 
 # --- the cases ----------------------------------------------------------------------------------
@@ -523,13 +535,13 @@ async def long_keys_are_never_truncated_into_one(bench: _Bench) -> None:
 
 
 async def leases_and_ttls_run_on_the_stores_clock(bench: _Bench) -> None:
-    # A worker whose wall clock is a day ahead must still see a lease as held; one a day behind
+    # A worker whose clock is a day ahead must still see a lease as held; one a day behind
     # must not make a lease or a TTL that has already ended.
     await bench.acquire("ahead")
-    with _wall_clock_moved(_SKEW):
+    with _clocks_moved(_SKEW):
         held = await bench.claim("ahead")
     _expect_outcome(held, ClaimOutcome.IN_PROGRESS, "a claim from a worker a day ahead")
-    with _wall_clock_moved(-_SKEW):
+    with _clocks_moved(-_SKEW):
         behind = await bench.acquire("behind", what="a claim from a worker a day behind")
         replay_token = await bench.acquire("retained", what="a claim from a worker a day behind")
         completed = await bench.complete("retained", replay_token)
@@ -601,10 +613,10 @@ async def conformance(
     longer than ``case_timeout`` seconds fails. ``on_result`` is called with each case's
     result as soon as it ends. What ``make_store`` raises is raised.
 
-    One case moves this process's wall clock (``time.time``) a day either way while it calls
-    the store, to stand for a worker whose clock is wrong: run the suite in a process of its
-    own (a test, the ``idempotency-mw conformance`` command), never inside a serving app. The
-    cases need real time: about two seconds in all on a store on this machine.
+    One case moves this process's clocks a day either way while it calls the store (the wall
+    clock both ways, the monotonic clock back only), to stand for a worker whose clock is wrong:
+    run the suite in a process of its own (a test, the ``idempotency-mw conformance`` command),
+    never inside a serving app. The cases need real time: about two seconds in all.
     """
     chosen = list(CASES) if cases is None else list(cases)
     unknown = [name for name in chosen if name not in CASES]
