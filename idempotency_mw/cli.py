@@ -5,8 +5,8 @@ Parsing and printing only; the work is done by the stores (through :mod:`idempot
 :mod:`idempotency_mw.panel`, the purge and the packaged Alembic revisions. Drivers are imported
 only by the command that needs them, so a missing one is reported with the extra that installs
 it. Every error is one line on stderr;
-exit codes: 0 done, 1 not done (the store failed, no such record, a release refused),
-2 bad arguments, a missing driver or a missing table.
+exit codes: 0 done, 1 not done (the store failed, no such record, a release refused, a
+conformance case failed), 2 bad arguments, a missing driver or a missing table.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from idempotency_mw._version import __version__
 from idempotency_mw.admin import DEFAULT_REDIS_PREFIX, relative_time
 from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
-from idempotency_mw.conformance import CASES
+from idempotency_mw.conformance import CASES, conformance
 from idempotency_mw.exceptions import (
     ConfigurationError,
     SchemaError,
@@ -242,7 +242,6 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _conformance(args: argparse.Namespace) -> int:
     from idempotency_mw.admin import build_store
-    from idempotency_mw.testing import conformance
 
     # Opened once first: a missing table or an unreachable server is said once, not per case.
     _run(_opened(args.store, args.prefix), args.timeout)
