@@ -4,7 +4,6 @@ printed, nothing left behind, and a failing case makes the command fail."""
 from __future__ import annotations
 
 import sqlite3
-import uuid
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import redis
 
 from idempotency_mw.cli import main
 from idempotency_mw.testing import CASES
-from tests.conftest import REDIS_URL, require_server
+from tests.conftest import REDIS_URL, redis_prefix, require_server
 
 FAST = ["--tick", "0.05"]
 
@@ -45,7 +44,7 @@ def test_the_cases_pass_on_sqlite_and_leave_no_record(
 
 def test_the_cases_pass_on_redis_and_leave_no_key(capsys: pytest.CaptureFixture[str]) -> None:
     require_server(REDIS_URL)
-    prefix = f"test-conformance-{uuid.uuid4().hex}:"
+    prefix = redis_prefix("conformance")
     assert main(["conformance", "--store", REDIS_URL, "--prefix", prefix, *FAST]) == 0
     assert_every_case_passed(capsys.readouterr().out)
     client = redis.Redis.from_url(REDIS_URL)
