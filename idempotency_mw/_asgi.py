@@ -7,9 +7,9 @@ from collections.abc import Awaitable, Callable
 
 from starlette.types import Message, Receive, Scope, Send
 
+from idempotency_mw.keys import MAX_KEY_LENGTH, is_valid_key, key_rule
 from idempotency_mw.records import StoredResponse
 
-MAX_KEY_LENGTH = 255
 REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 #: Statuses whose responses carry no body, so no Content-Length either.
 _BODILESS = frozenset({204, 304})
@@ -21,11 +21,9 @@ def parse_key(raw: str) -> str | None:
     A bare key is 1-255 visible ASCII characters; a value that opens with a double quote must
     be a Structured-Field string (``"abc"``, with ``\\"`` and ``\\\\`` escapes) and is unquoted.
     """
-    if raw.startswith('"'):
-        key = _unquote_sf_string(raw[1:-1]) if len(raw) >= 2 and raw.endswith('"') else None
-    else:
-        # Printable ASCII without the space: "!" to "~".
-        key = raw if raw.isascii() and raw.isprintable() and " " not in raw else None
+    if not raw.startswith('"'):
+        return raw if is_valid_key(raw) else None
+    key = _unquote_sf_string(raw[1:-1]) if len(raw) >= 2 and raw.endswith('"') else None
     if key is None or not 1 <= len(key) <= MAX_KEY_LENGTH:
         return None
     return key
@@ -34,7 +32,7 @@ def parse_key(raw: str) -> str | None:
 def invalid_key_detail(header_name: str, raw: str) -> str:
     """Why ``raw``, which :func:`parse_key` refused, is not a key: for the 400 problem's detail."""
     if not raw.startswith('"'):
-        return f"{header_name} must be 1-{MAX_KEY_LENGTH} visible ASCII characters"
+        return key_rule(header_name)
     if len(raw) < 2 or not raw.endswith('"') or _unquote_sf_string(raw[1:-1]) is None:
         return (
             f"{header_name} opens a quoted string that is broken: it must end with a double "

@@ -19,6 +19,11 @@ class ConfigurationError(IdempotencyError, ValueError):
     """An option given to the middleware, a decorator or a store is invalid."""
 
 
+class InvalidKey(ConfigurationError):
+    """A key is not 1-255 visible ASCII characters: refused before anything is claimed or run,
+    and refused again however often it is sent."""
+
+
 class StoreError(IdempotencyError):
     """The store could not be reached or failed; the driver's error is the ``__cause__``.
 

@@ -40,6 +40,10 @@ class CurrentClaim:
     #: Set once ``fence()`` marked the effect in the app's transaction: from then on nothing
     #: can take the key over, so a lost lease never stops the call.
     fenced: bool = False
+    #: Set when ``fence()`` found an earlier run's committed effect (and raised
+    #: :class:`~idempotency_mw.EffectCommitted`): whatever this run then fails with, the key's
+    #: effect happened, and its caller must be told so.
+    committed_earlier: bool = False
 
 
 #: The request reached a guarded route without a key: there is no claim to fence.
@@ -127,9 +131,10 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
         from idempotency_mw.proofs import write_proof
 
         _check_proven(
+            claim,
             await write_proof(
                 connection, claim.scope, claim.key, claim.token, claim.ttl, store=target
-            )
+            ),
         )
     claim.fenced = True
 
@@ -162,9 +167,10 @@ def fence_sync(session: Any, *, store: Store | None = None) -> None:
         from idempotency_mw.proofs import write_proof_sync
 
         _check_proven(
+            claim,
             write_proof_sync(
                 connection, claim.scope, claim.key, claim.token, claim.ttl, store=target
-            )
+            ),
         )
     claim.fenced = True
 
@@ -212,8 +218,9 @@ def _check_owned(rowcount: int) -> None:
         )
 
 
-def _check_proven(proven: bool) -> None:
+def _check_proven(claim: CurrentClaim, proven: bool) -> None:
     if not proven:
+        claim.committed_earlier = True
         raise EffectCommitted(
             "an earlier run of this Idempotency-Key committed its effect (its proof is in the "
             "application's database): roll back, the effect must not be committed twice"

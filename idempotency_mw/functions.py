@@ -22,9 +22,17 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 import anyio.to_thread
 
 from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, LeaseUnproven
-from idempotency_mw.exceptions import ConfigurationError, IdempotencyError, LeaseLost
+from idempotency_mw.exceptions import (
+    ConfigurationError,
+    IdempotencyError,
+    InvalidKey,
+    LeaseLost,
+    StoreError,
+)
 from idempotency_mw.fence import current_claim
+from idempotency_mw.keys import is_valid_key, key_rule
 from idempotency_mw.lease import Clock
+from idempotency_mw.lifespan import check_store
 from idempotency_mw.metrics import EventHook, EventKind, guard
 from idempotency_mw.options import LeaseLostAction
 from idempotency_mw.policy import Duration, to_seconds
@@ -89,6 +97,11 @@ class KeyReused(IdempotencyError):
     """The key was used with other arguments: its result is another call's. Use a new key."""
 
 
+class CredentialMismatch(IdempotencyError):
+    """The key belongs to a call made with other credentials: its result is theirs. Use a new
+    key, or the first call's credentials."""
+
+
 class StillRunning(IdempotencyError):
     """A call with this key is still running (past ``wait``): retry after ``retry_after`` s."""
 
@@ -105,6 +118,12 @@ class ResultNotReplayable(IdempotencyError):
 class CommittedWithoutResult(IdempotencyError):
     """The call with this key committed its effect (``fence``) and then failed: there is no
     result to give, and it must not run again."""
+
+
+#: Why a call is refused with :class:`CommittedWithoutResult`.
+COMMITTED_WITHOUT_RESULT = (
+    "the call with this key committed its effect, but has no result; do not run it again"
+)
 
 
 def arguments_fingerprint(fn: Callable[..., Any], args: Any, kwargs: Any) -> str:
@@ -132,7 +151,8 @@ class IdempotentFunctions:
     lapses), ``wait`` how long a repeat waits for a running call before :class:`StillRunning`.
     ``scope`` is the namespace of the keys (never shared with HTTP requests' records unless
     you say so); ``codec`` stores the return values, at most ``max_result_bytes`` each.
-    ``on_event``, ``on_lease_lost`` and ``clock`` are the middleware's.
+    ``on_event``, ``on_lease_lost`` and ``clock`` are the middleware's. The store's schema is
+    checked before the first call (or by :meth:`startup`), as the middleware checks it at start.
     """
 
     def __init__(
@@ -167,6 +187,14 @@ class IdempotentFunctions:
             on_lease_lost=on_lease_lost,
             clock=clock,
         )
+        self._checked = False
+
+    async def startup(self) -> None:
+        """Check the store as the middleware does at start: a missing or old table raises
+        :class:`~idempotency_mw.SchemaError` (naming ``idempotency-mw migrate``); an
+        unreachable store is only logged."""
+        await check_store(self.engine.store)
+        self._checked = True
 
     def __call__(
         self,
@@ -217,7 +245,8 @@ class IdempotentFunctions:
     async def run(self, key: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` once per ``key``: its result, or the first call's.
 
-        Raises :class:`KeyReused`, :class:`StillRunning`, :class:`ResultNotReplayable`,
+        Raises :class:`~idempotency_mw.exceptions.InvalidKey` (``key`` is not 1-255 visible
+        ASCII characters), :class:`KeyReused`, :class:`StillRunning`, :class:`ResultNotReplayable`,
         :class:`CommittedWithoutResult`, :class:`~idempotency_mw.LeaseLost` (the store could
         not confirm the key was held: the call was stopped, or nothing ran), and
         :class:`~idempotency_mw.StoreError`; what ``fn`` raises is raised (the key released,
@@ -247,17 +276,39 @@ class IdempotentFunctions:
         return await self.call(key, meant, work, name=name)
 
     async def call(
-        self, key: str, fingerprint: str, work: Callable[[], Awaitable[Any]], *, name: str
+        self,
+        key: str,
+        fingerprint: str,
+        work: Callable[[], Awaitable[Any]],
+        *,
+        name: str,
+        scope: str | None = None,
+        binding: str = "",
     ) -> Any:
         """Run ``work()`` once per ``key`` under ``fingerprint`` (what the call means) and
-        return its result, or the recorded one decoded (``name`` names it in events)."""
+        return its result, or the recorded one decoded (``name`` names it in events); the key
+        lives in ``scope`` (default: this instance's) and its record is bound to ``binding``
+        (a digest of the caller's credentials, ``""`` for none)."""
+        if not is_valid_key(key):
+            raise InvalidKey(key_rule(f"the key of {name}"))
+        if not self._checked:
+            await self.startup()
         request = ClaimRequest(
-            self.scope, key, fingerprint, ttl=self.ttl, lease=self.lease, wait=self.wait
+            scope or self.scope,
+            key,
+            fingerprint,
+            ttl=self.ttl,
+            lease=self.lease,
+            wait=self.wait,
+            binding=binding,
         )
         call = self.engine.call(request, method="CALL", route=name)
         async with self.engine.hold(answered=lambda: False) as hold:
             try:
                 claim = await hold.claim(call)
+            except StoreError as exc:
+                logger.warning("idempotency store failed to claim key %s: %s", call.key_id, exc)
+                raise
             except LeaseUnproven:
                 raise LeaseLost(
                     "the store could not confirm this call holds its key: nothing ran; retry "
@@ -312,11 +363,13 @@ class IdempotentFunctions:
             )
         if outcome is ClaimOutcome.MISMATCH:
             return KeyReused("this key was used with other arguments; use a new key for a new call")
-        if outcome is ClaimOutcome.COMMITTED_WITHOUT_RESPONSE:
-            return CommittedWithoutResult(
-                "the call with this key committed its effect, but has no result; do not run "
-                "it again"
+        if outcome is ClaimOutcome.CREDENTIAL_MISMATCH:
+            return CredentialMismatch(
+                "this key was used by a call with other credentials; its result is theirs. Use "
+                "a new key, or the credentials of the first call"
             )
+        if outcome is ClaimOutcome.COMMITTED_WITHOUT_RESPONSE:
+            return CommittedWithoutResult(COMMITTED_WITHOUT_RESULT)
         return ResultNotReplayable(
             "the call with this key ran, but its result could not be recorded for replay"
         )

@@ -2,38 +2,54 @@
 
 A ``tools/call`` whose ``params._meta["idempotencyKey"]`` is set runs through
 :class:`~idempotency_mw.functions.IdempotentFunctions` on its key, fingerprinted by the tool's
-name and arguments (never the JSON-RPC id or the session). The tool's ``CallToolResult`` is
-recorded, not the bytes that carried it, so a retry (a new id, the same session or another,
-any transport) gets it framed for its own request. Calls without a key, and every other
-method, are untouched. Needs the ``[mcp]`` extra.
+name and arguments (never the JSON-RPC id or the session) and bound to the caller's
+credentials. A call leaves behind what an HTTP request would: what the tool returned (an
+``isError`` result too) or the ``MCPError`` it raised is recorded, and a retry (a new id, any
+session, any transport) gets it framed for its own request; an unexpected exception releases
+the key, like a 500, unless its effect committed (``fence()``): that call and its retries are
+told so. A client that goes away never stops a tool that started. Calls without a key, and
+every other method, are untouched. Needs the ``[mcp]`` extra.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
-from collections.abc import Collection
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
+import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.extension import Extension
+from mcp.server.request_state import authenticated_principal
 from mcp.shared.exceptions import MCPError
-from mcp_types import INVALID_PARAMS, CallToolRequestParams, CallToolResult
+from mcp_types import INVALID_PARAMS, CallToolRequestParams, CallToolResult, ErrorData, TextContent
+from starlette.requests import HTTPConnection
 
 from idempotency_mw.exceptions import IdempotencyError, LeaseLost, StoreError
-from idempotency_mw.fence import UNKEYED, current_claim
+from idempotency_mw.fence import UNKEYED, CurrentClaim, current_claim
+from idempotency_mw.fingerprint import credential_digest
 from idempotency_mw.functions import (
+    COMMITTED_WITHOUT_RESULT,
     CommittedWithoutResult,
+    CredentialMismatch,
     IdempotentFunctions,
     KeyReused,
     ResultNotReplayable,
     StillRunning,
 )
+from idempotency_mw.keys import is_valid_key, key_rule
 from idempotency_mw.metrics import EventHook
 from idempotency_mw.policy import Duration
 from idempotency_mw.problems import RETRYABLE, Problem
 from idempotency_mw.stores.base import Store
+
+logger = logging.getLogger("idempotency_mw")
 
 #: Where a call carries its key: ``params._meta[META_KEY]`` (the client's, too).
 META_KEY = "idempotencyKey"
@@ -44,24 +60,35 @@ IDEMPOTENCY_ERROR = -32030
 TOOL_META: dict[str, Any] = {"idempotency": {"key": f"_meta.{META_KEY}"}}
 #: Set in the ``_meta`` of a result that was replayed rather than run.
 REPLAYED_META = "idempotencyReplayed"
-#: Keys longer than this are refused (as the middleware refuses them).
-MAX_KEY_LENGTH = 255
+#: Set in the ``_meta`` of the ``isError`` result of a tool that crashed: nothing was recorded
+#: and its key is free, so the same call may be sent again under it (an HTTP 500).
+RETRY_META = "idempotencyRetry"
+
+#: The namespace of the keys: a string, or a callable of the call's request context that
+#: returns the caller's namespace (awaited when it returns an awaitable).
+Scope = str | Callable[[ServerRequestContext[Any, Any]], str | Awaitable[str]]
 
 
 class ToolResultCodec:
-    """A tool's result as its JSON (content, structured content, ``isError``, ``_meta``)."""
+    """A call's outcome as JSON: the tool's result (content, structured content, ``isError``,
+    ``_meta``), or the JSON-RPC error it raised (``{"error": ...}``)."""
 
     def encode(self, value: Any) -> bytes:
+        if isinstance(value, ErrorData):
+            return json.dumps({"error": value.model_dump(mode="json", exclude_none=True)}).encode()
         assert isinstance(value, CallToolResult)
         return value.model_dump_json(by_alias=True, exclude_none=True).encode()
 
     def decode(self, data: bytes) -> Any:
-        result = CallToolResult.model_validate_json(data)
+        stored = json.loads(data)
+        if stored.keys() == {"error"}:
+            return ErrorData.model_validate(stored["error"])
+        result = CallToolResult.model_validate(stored)
         return result.model_copy(update={"meta": {**(result.meta or {}), REPLAYED_META: True}})
 
 
-class _NotARecord(Exception):
-    """The tool asked for input instead of answering: nothing to record, the key released."""
+class _Unrecorded(Exception):
+    """The call's answer is not a record: its key is released, and this is answered."""
 
     def __init__(self, result: HandlerResult) -> None:
         self.result = result
@@ -69,13 +96,19 @@ class _NotARecord(Exception):
 
 class IdempotentTools(Extension):
     """Runs each keyed ``tools/call`` once per key on ``store``:
-    ``MCPServer("tickets", extensions=[IdempotentTools(store)])``.
+    ``MCPServer("tickets", extensions=[protect], lifespan=protect.lifespan)`` with
+    ``protect = IdempotentTools(store)``.
 
     ``tools`` names the protected tools (default: every tool); the others run as they are,
-    key or not. ``ttl``, ``lease``, ``wait``, ``max_result_bytes`` and ``on_event`` are
-    :class:`~idempotency_mw.functions.IdempotentFunctions`' (``scope`` is the namespace of the
-    keys). Advertised in the server's capabilities (``extensions``); put :data:`TOOL_META` in
-    a protected tool's ``meta=`` to say so in ``tools/list`` too.
+    key or not. ``scope`` is the namespace of the keys: a string (default ``"mcp"``), each
+    record then bound to the caller's credentials (the SDK's authenticated client, or the
+    ``Authorization`` header of the HTTP request) so that another caller never gets it; or a
+    callable of the request context that returns the caller's namespace, which alone then
+    decides (return one string for every caller to share records on purpose). ``ttl``,
+    ``lease``, ``wait``, ``max_result_bytes`` and ``on_event`` are
+    :class:`~idempotency_mw.functions.IdempotentFunctions`'. Advertised in the server's
+    capabilities (``extensions``); put :data:`TOOL_META` in a protected tool's ``meta=`` to
+    say so in ``tools/list`` too.
     """
 
     identifier = "io.github.idempotency-mw/idempotency"
@@ -88,17 +121,18 @@ class IdempotentTools(Extension):
         ttl: Duration = timedelta(hours=24),
         lease: Duration = timedelta(seconds=60),
         wait: Duration = 0,
-        scope: str = "mcp",
+        scope: Scope = "mcp",
         max_result_bytes: int = 1 << 20,
         on_event: EventHook | None = None,
     ) -> None:
         self.protected = None if tools is None else frozenset(tools)
+        self.scope = scope
         self.functions = IdempotentFunctions(
             store,
             ttl=ttl,
             lease=lease,
             wait=wait,
-            scope=scope,
+            scope=scope if isinstance(scope, str) else "mcp",
             codec=ToolResultCodec(),
             max_result_bytes=max_result_bytes,
             on_event=on_event,
@@ -109,6 +143,14 @@ class IdempotentTools(Extension):
             "key": f"_meta.{META_KEY}",
             "tools": None if self.protected is None else sorted(self.protected),
         }
+
+    @asynccontextmanager
+    async def lifespan(self, server: object) -> AsyncIterator[dict[str, Any]]:
+        """The server's lifespan (``MCPServer(..., lifespan=protect.lifespan)``): the store is
+        checked as the middleware checks it at start, so that a server whose table is missing
+        fails to start, naming ``idempotency-mw migrate``."""
+        await self.functions.startup()
+        yield {}
 
     async def intercept_tool_call(
         self,
@@ -126,31 +168,80 @@ class IdempotentTools(Extension):
                 return await call_next(ctx)
             finally:
                 current_claim.reset(reset)
-        if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
-            raise MCPError(
-                INVALID_PARAMS,
-                f"_meta.{META_KEY} must be a string of 1 to {MAX_KEY_LENGTH} characters",
-            )
+        if not is_valid_key(key):
+            raise MCPError(INVALID_PARAMS, key_rule(f"_meta.{META_KEY}"))
+        scope, binding = await self._caller(ctx)
+        name = params.name
 
-        async def run() -> CallToolResult:
-            result = await call_next(ctx)
-            if not isinstance(result, CallToolResult):
-                raise _NotARecord(result)
-            return result
+        async def run() -> CallToolResult | ErrorData:
+            # A client that goes away (a timeout, a closed stream) cancels its request: a tool
+            # that started finishes and is settled, as a request whose HTTP client left.
+            with anyio.CancelScope(shield=True):
+                try:
+                    result = await call_next(ctx)
+                except MCPError as exc:
+                    return exc.error
+            return _outcome(result, name)
 
         try:
-            result = await self.functions.call(
-                key, tool_fingerprint(params.name, params.arguments), run, name=params.name
+            outcome = await self.functions.call(
+                key,
+                tool_fingerprint(name, params.arguments),
+                run,
+                name=name,
+                scope=scope,
+                binding=binding,
             )
-        except _NotARecord as not_a_record:
-            return not_a_record.result
+        except _Unrecorded as unrecorded:
+            return unrecorded.result
         except _REFUSED as exc:
             raise refusal(exc) from exc
-        return cast(CallToolResult, result)
+        if isinstance(outcome, ErrorData):
+            raise MCPError.from_error_data(outcome)
+        assert isinstance(outcome, CallToolResult)
+        return outcome
+
+    async def _caller(self, ctx: ServerRequestContext[Any, Any]) -> tuple[str, str]:
+        """The call's scope, and the digest of the credentials its record is bound to."""
+        if isinstance(self.scope, str):
+            return self.scope, caller_binding(ctx)
+        try:
+            value = self.scope(ctx)
+            if inspect.isawaitable(value):
+                value = await value
+        except MCPError:
+            raise
+        except Exception:
+            logger.exception("the scope= callable of IdempotentTools failed")
+            raise _scope_failed() from None
+        if not isinstance(value, str) or not value:
+            logger.error(
+                "the scope= callable of IdempotentTools returned %s; it must return a non-empty "
+                "string (the tool did not run)",
+                "an empty string" if value == "" else f"a {type(value).__name__}",
+            )
+            raise _scope_failed()
+        return value, ""
 
     async def aclose(self) -> None:
         """Wait for store calls still running for ended calls; the store stays open."""
         await self.functions.aclose()
+
+
+def caller_binding(ctx: ServerRequestContext[Any, Any]) -> str:
+    """A digest of the caller's credentials: the SDK's authenticated principal (the client,
+    issuer and subject it binds sessions to, which a refreshed token keeps), else the
+    ``Authorization`` header of the HTTP request that carried the call; ``""`` without any
+    (stdio, in process)."""
+    principal = authenticated_principal(ctx)
+    if principal is not None:
+        return credential_digest([("mcp-principal", principal)])
+    request = ctx.request
+    if isinstance(request, HTTPConnection):
+        values = [("authorization", value) for value in request.headers.getlist("authorization")]
+        if values:
+            return credential_digest(values)
+    return ""
 
 
 def tool_fingerprint(name: str, arguments: dict[str, Any] | None) -> str:
@@ -161,9 +252,59 @@ def tool_fingerprint(name: str, arguments: dict[str, Any] | None) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def _outcome(result: HandlerResult, name: str) -> CallToolResult | ErrorData:
+    """What a call of the tool ``name`` that answered ``result`` leaves behind: the result to
+    record, or the committed-without-response refusal; raises :class:`_Unrecorded` when the
+    key is released instead (the tool asked for input, failed before it ran, or crashed)."""
+    if not isinstance(result, CallToolResult):
+        raise _Unrecorded(result)
+    if not result.is_error:
+        return result
+    text = _only_text(result)
+    if text is not None and _crashed(text, name):
+        claim = current_claim.get()
+        if isinstance(claim, CurrentClaim) and (claim.fenced or claim.committed_earlier):
+            return _COMMITTED
+        meta = {**(result.meta or {}), RETRY_META: True}
+        raise _Unrecorded(result.model_copy(update={"meta": meta}))
+    if text is not None and _before_the_tool(text, name):
+        raise _Unrecorded(result)
+    return result
+
+
+def _only_text(result: CallToolResult) -> str | None:
+    """The text of a result made of one text and nothing else, as the SDK's errors are."""
+    if result.structured_content is None and len(result.content) == 1:
+        (content,) = result.content
+        if isinstance(content, TextContent):
+            return content.text
+    return None
+
+
+# The mcp SDK catches a tool's exceptions below the interceptor and answers an isError result
+# whose text is all that tells them apart (the SDK's exceptions.py documents each).
+
+
+def _crashed(text: str, name: str) -> bool:
+    """An UnexpectedToolError's text: only "Error executing tool <name>", followed by the same
+    for a nested tool or resource that crashed. Released like a 500; a ToolError's text (the
+    tool's deliberate answer) goes on after the name with the tool's own words."""
+    nested = r"(?:: Error (?:executing tool|reading resource|creating resource from template) \S+)*"
+    return re.fullmatch(f"Error executing tool {re.escape(name)}{nested}", text) is not None
+
+
+def _before_the_tool(text: str, name: str) -> bool:
+    """An answer given before the tool's body ran, released like FastAPI's 422 or an app's
+    404: an unknown tool, or arguments that failed its input schema (a pydantic
+    ValidationError's text)."""
+    invalid = f"Error executing tool {re.escape(name)}: [0-9]+ validation errors? for "
+    return text == f"Unknown tool: {name}" or re.match(invalid, text) is not None
+
+
 #: Each refusal's problem and status.
 _PROBLEMS: list[tuple[type[IdempotencyError], Problem, int]] = [
     (KeyReused, Problem.MISMATCH, 422),
+    (CredentialMismatch, Problem.CREDENTIAL_MISMATCH, 409),
     (StillRunning, Problem.IN_PROGRESS, 409),
     (ResultNotReplayable, Problem.UNREPLAYABLE, 409),
     (CommittedWithoutResult, Problem.COMMITTED_WITHOUT_RESPONSE, 409),
@@ -184,6 +325,11 @@ def refusal(exc: IdempotencyError) -> MCPError:
     )
     # A store's message names the store; the caller is told only that it failed.
     detail = "the idempotency store failed" if isinstance(exc, StoreError) else str(exc)
+    retry_after = exc.retry_after if isinstance(exc, StillRunning) else 1
+    return _problem_error(problem, status, detail, retry_after)
+
+
+def _problem_error(problem: Problem, status: int, detail: str, retry_after: float) -> MCPError:
     data: dict[str, Any] = {
         "type": problem.type_uri,
         "title": problem.value[1],
@@ -191,5 +337,18 @@ def refusal(exc: IdempotencyError) -> MCPError:
         "detail": detail,
     }
     if RETRYABLE.get(problem):
-        data["retryAfter"] = exc.retry_after if isinstance(exc, StillRunning) else 1
+        data["retryAfter"] = retry_after
     return MCPError(IDEMPOTENCY_ERROR, f"{problem.value[1]}: {detail}", data=data)
+
+
+def _scope_failed() -> MCPError:
+    return _problem_error(
+        Problem.SCOPE_FAILED,
+        500,
+        "the server could not determine whose call this is; the tool did not run",
+        1,
+    )
+
+
+#: What a crashed call whose effect committed answers, and its retries with it.
+_COMMITTED = refusal(CommittedWithoutResult(COMMITTED_WITHOUT_RESULT)).error

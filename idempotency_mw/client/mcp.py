@@ -23,14 +23,18 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import (
     CONNECTION_CLOSED,
     INTERNAL_ERROR,
+    INVALID_REQUEST,
+    PARSE_ERROR,
     REQUEST_TIMEOUT,
     CallToolResult,
+    ErrorData,
     RequestParamsMeta,
 )
 
 from idempotency_mw.client._closing import AClosedOnExit
 from idempotency_mw.client.async_client import AsyncProbe, IdempotentClient
 from idempotency_mw.client.classify import PROBLEM_TYPE_PREFIX
+from idempotency_mw.client.errors import OperationError
 from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
 from idempotency_mw.client.protocol import ProtocolOptions
 from idempotency_mw.client.saga import AsyncStepClient
@@ -39,6 +43,9 @@ from idempotency_mw.exceptions import ConfigurationError, describe
 
 #: Where the key goes in a ``tools/call`` request's ``_meta``.
 META_KEY = "idempotencyKey"
+#: In the ``_meta`` of a tool's ``isError`` result when the tool crashed and the server
+#: released its key (``idempotency_mw.mcp.RETRY_META``): sent again, as an HTTP 500 is.
+RETRY_META = "idempotencyRetry"
 #: The base URL of the requests :class:`ToolTransport` carries (never resolved).
 TOOLS_URL = "http://mcp.tools"
 
@@ -52,6 +59,33 @@ def key_meta(key: str) -> RequestParamsMeta:
 
 # The session could not be used, whether or not the call had reached the server.
 _BROKEN = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError)
+
+# The JSON-RPC errors the mcp SDK's client makes up itself, without data, when no answer
+# arrived (the connection closed or an SSE stream ended, a session's own timeout, an HTTP
+# error without a JSON-RPC body, an answer it could not parse, a session the server forgot)
+# or that its server sends for a handler that crashed (a 500): by their code and the start of
+# their message. The call may have run or not: it is sent again under its key. Any other
+# JSON-RPC error is the server's answer.
+_UNANSWERED: dict[int, tuple[str, ...]] = {
+    CONNECTION_CLOSED: ("Connection closed", "SSE stream ended", "SSE stream failed"),
+    REQUEST_TIMEOUT: ("Request 'tools/call' timed out", "Timed out after "),
+    INTERNAL_ERROR: ("Server returned an error response", "Internal server error"),
+    PARSE_ERROR: ("Failed to parse ",),
+    INVALID_REQUEST: ("Session terminated",),
+}
+
+
+def _unanswered(error: ErrorData) -> bool:
+    return error.data is None and error.message.startswith(_UNANSWERED.get(error.code, ()))
+
+
+class ToolCallError(OperationError):
+    """The server answered the tool call with a JSON-RPC error, ``error`` (its code, message
+    and data): its final answer, journaled ``failed``; ``response`` carries it."""
+
+    def __init__(self, error: ErrorData, key: str, response: httpx.Response) -> None:
+        super().__init__(f"JSON-RPC error {error.code}: {error.message}", key, response)
+        self.error = error
 
 
 class ToolSession(Protocol):
@@ -77,9 +111,13 @@ def tool_path(name: str) -> str:
     return f"/tools/{name}"
 
 
-def tool_result(response: httpx.Response) -> CallToolResult:
-    """The tool's result carried by ``response`` (a tool's error is a result too)."""
-    return CallToolResult.model_validate(response.json())
+def tool_result(response: httpx.Response, *, key: str = "") -> CallToolResult:
+    """The tool's result carried by ``response`` (a tool's error is a result too); raises
+    :class:`ToolCallError` (naming ``key``) when the server answered with a JSON-RPC error."""
+    body = response.json()
+    if isinstance(body, dict) and body.keys() == {"error"}:
+        raise ToolCallError(ErrorData.model_validate(body["error"]), key, response)
+    return CallToolResult.model_validate(body)
 
 
 class ToolTransport(httpx.AsyncBaseTransport):
@@ -89,10 +127,12 @@ class ToolTransport(httpx.AsyncBaseTransport):
     replaced at the next attempt.
 
     The answers read like HTTP, so that the client's rules apply unchanged: a result is 200,
-    a tool's error 422 (final: it ran and said no), a JSON-RPC error 400, or 500 for an
-    internal one (retried); a timeout is a read timeout and a broken session a protocol error
-    (either may have reached the server: retried under the same key); a session that cannot
-    be opened is a connect error (nothing was sent).
+    a tool's error 422 (final: it ran and said no) or 500 when the tool crashed and the server
+    released its key (retried), the server's idempotency refusal its problem, any other
+    JSON-RPC error of the server 400 (final); a timeout (the request's read timeout, kept
+    here) is a read timeout, and a broken session or an error the SDK made up because no
+    answer came a protocol error (either may have reached the server: retried under the same
+    key); a session that cannot be opened is a connect error (nothing was sent).
     """
 
     def __init__(
@@ -151,32 +191,34 @@ class ToolTransport(httpx.AsyncBaseTransport):
         key = request.headers.get(self._header)
         timeout = request.extensions.get("timeout", {}).get("read")
         try:
-            result = await session.call_tool(
-                name,
-                arguments or None,
-                read_timeout_seconds=timeout,
-                meta=None if key is None else key_meta(key),
-            )
+            # The timeout is the caller's own, so that it is never mistaken for an answer.
+            with anyio.fail_after(timeout):
+                result = await session.call_tool(
+                    name, arguments or None, meta=None if key is None else key_meta(key)
+                )
+        except TimeoutError as exc:
+            lost = f"tools/call {name}: no answer within {timeout} s"
+            return _caused(httpx.ReadTimeout(lost, request=request), exc)
         except MCPError as exc:
-            lost = f"tools/call {name}: {exc}"
-            if exc.code == REQUEST_TIMEOUT:
-                return _caused(httpx.ReadTimeout(lost, request=request), exc)
-            if exc.code == CONNECTION_CLOSED:
-                return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
             problem = exc.error.data
             if isinstance(problem, dict) and str(problem.get("type")).startswith(
                 PROBLEM_TYPE_PREFIX
             ):
                 # The server's idempotency refusal: read as the middleware's problem answer.
                 return _problem_response(problem, request)
-            status = 500 if exc.code == INTERNAL_ERROR else 400
+            if _unanswered(exc.error):
+                lost = f"tools/call {name}: {exc}"
+                return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
             body = {"error": exc.error.model_dump(mode="json", exclude_none=True)}
-            return httpx.Response(status, json=body, request=request)
+            return httpx.Response(400, json=body, request=request)
         except _BROKEN as exc:
             lost = f"tools/call {name}: {describe(exc)}"
             return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
         body = result.model_dump(mode="json", by_alias=True, exclude_none=True)
-        return httpx.Response(422 if result.is_error else 200, json=body, request=request)
+        if not result.is_error:
+            return httpx.Response(200, json=body, request=request)
+        retry = (result.meta or {}).get(RETRY_META) is True
+        return httpx.Response(500 if retry else 422, json=body, request=request)
 
 
 def _problem_response(problem: dict[str, Any], request: httpx.Request) -> httpx.Response:
@@ -240,10 +282,12 @@ class IdempotentToolCaller(AClosedOnExit):
         self, operation: Operation, arguments: dict[str, Any] | None = None
     ) -> CallToolResult:
         """Call the tool of ``operation`` (its name) with ``arguments`` under its key, retrying
-        until its outcome is known; raises what :meth:`IdempotentClient.send` raises."""
-        return tool_result(
-            await self.client.send(operation, "POST", tool_path(operation.name), json=arguments)
+        until its outcome is known; raises what :meth:`IdempotentClient.send` raises, and
+        :class:`ToolCallError` when the server answered with a JSON-RPC error."""
+        response = await self.client.send(
+            operation, "POST", tool_path(operation.name), json=arguments
         )
+        return tool_result(response, key=operation.key)
 
     async def call_tool(
         self, tool: str, arguments: dict[str, Any] | None = None, *, ref: str | None = None

@@ -50,13 +50,13 @@ from idempotency_mw.client.values import (
     RetryPolicy,
 )
 from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.keys import MAX_KEY_LENGTH
 from idempotency_mw.metrics import EventHook, guard
 
 logger = logging.getLogger("idempotency_mw.client")
 
 T = TypeVar("T")
 
-MAX_KEY_LENGTH = 255
 KEY_PART = re.compile(r"[A-Za-z0-9._~-]{1,64}")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
