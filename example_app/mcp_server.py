@@ -43,7 +43,10 @@ def create_server(database_url: str | None = None) -> tuple[MCPServer, Serving]:
     store = SQLStore(url)
     # A retry that finds the first call still running waits for its result a while.
     protect = IdempotentTools(store, tools={"create_ticket"}, lease=timedelta(seconds=10), wait=5)
-    server = MCPServer("tickets", extensions=[protect], log_level="WARNING")
+    # Its lifespan checks the store when the server starts (after serving() migrated it).
+    server = MCPServer(
+        "tickets", extensions=[protect], lifespan=protect.lifespan, log_level="WARNING"
+    )
 
     @server.tool(meta=TOOL_META)
     async def create_ticket(

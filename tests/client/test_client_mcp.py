@@ -16,7 +16,13 @@ from mcp.client.client import Client
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.shared.exceptions import MCPError
-from mcp_types import CONNECTION_CLOSED, CallToolResult, TextContent
+from mcp_types import (
+    CONNECTION_CLOSED,
+    INTERNAL_ERROR,
+    REQUEST_TIMEOUT,
+    CallToolResult,
+    TextContent,
+)
 
 from idempotency_mw import ConfigurationError
 from idempotency_mw.client import (
@@ -28,7 +34,15 @@ from idempotency_mw.client import (
     SagaState,
     StepState,
 )
-from idempotency_mw.client.mcp import IdempotentToolCaller, ToolSession, ToolStep, tool_result
+from idempotency_mw.client.mcp import (
+    IdempotentToolCaller,
+    ToolCallError,
+    ToolSession,
+    ToolStep,
+    tool_result,
+)
+from idempotency_mw.mcp import IdempotentTools
+from idempotency_mw.testing import MemoryStore
 from tests.support.client_support import FakeTime
 
 pytestmark = pytest.mark.anyio
@@ -98,18 +112,28 @@ def text(result: CallToolResult) -> str:
     return first.text
 
 
+async def settle(
+    caller: IdempotentToolCaller, tool: str, ref: str, arguments: dict[str, Any]
+) -> tuple[str, CallToolResult, OperationState]:
+    """One logical call of ``tool`` sent until settled: its key, result and journaled state."""
+    op = await caller.operation(tool, ref=ref)
+    result = await caller.send(op, arguments)
+    entry = caller.client.journal.get(op.key)
+    assert entry is not None
+    return op.key, result, entry.state
+
+
 async def test_a_call_that_timed_out_is_retried_under_its_key(
     tmp_path: Path, fake_time: FakeTime
 ) -> None:
     tools = Tools(slow=1)
     async with calling(tools, tmp_path, fake_time) as caller:
-        op = await caller.operation("create_ticket", ref="T-1")
-        result = await caller.send(op, {"title": "printer on fire"})
-        entry = caller.client.journal.get(op.key)
+        key, result, state = await settle(
+            caller, "create_ticket", "T-1", {"title": "printer on fire"}
+        )
     assert text(result) == "ticket 2: printer on fire"
-    assert tools.keys("create_ticket") == [op.key, op.key]
-    assert entry is not None
-    assert entry.state is OperationState.CONFIRMED
+    assert tools.keys("create_ticket") == [key, key]
+    assert state is OperationState.CONFIRMED
 
 
 class Breaks:
@@ -178,14 +202,11 @@ async def test_after_a_restart_the_same_call_is_sent_under_its_key_then_not_agai
 async def test_a_tools_error_is_its_final_answer(tmp_path: Path, fake_time: FakeTime) -> None:
     tools = Tools()
     async with calling(tools, tmp_path, fake_time) as caller:
-        op = await caller.operation("charge", ref="O-1")
-        result = await caller.send(op, {"order": "O-1"})
-        entry = caller.client.journal.get(op.key)
+        key, result, state = await settle(caller, "charge", "O-1", {"order": "O-1"})
     assert result.is_error
     assert "card declined" in text(result)
-    assert tools.keys("charge") == [op.key]  # not retried
-    assert entry is not None
-    assert entry.state is OperationState.FAILED
+    assert tools.keys("charge") == [key]  # not retried
+    assert state is OperationState.FAILED
 
 
 async def test_a_saga_of_tool_calls_compensates_under_its_steps_keys(
@@ -222,3 +243,50 @@ async def test_a_saga_of_tool_calls_compensates_under_its_steps_keys(
 def test_a_caller_needs_one_way_to_a_session() -> None:
     with pytest.raises(ConfigurationError, match="connect="):
         IdempotentToolCaller(journal=":memory:")
+
+
+@pytest.mark.parametrize("code", [-32050, CONNECTION_CLOSED, INTERNAL_ERROR, REQUEST_TIMEOUT])
+async def test_a_servers_jsonrpc_error_is_its_final_answer(
+    tmp_path: Path, fake_time: FakeTime, code: int
+) -> None:
+    """Any code, even one the SDK also uses for a connection it lost: the server answered."""
+    tools = Tools()
+
+    @tools.server.tool()
+    async def refund(order: str, ctx: Context) -> str:
+        await tools._run("refund", ctx)
+        raise MCPError(code, f"refund of {order} refused", data={"order": order})
+
+    async with calling(tools, tmp_path, fake_time) as caller:
+        op = await caller.operation("refund", ref="R-1")
+        with pytest.raises(ToolCallError) as answered:
+            await caller.send(op, {"order": "o-1"})
+        entry = caller.client.journal.get(op.key)
+    assert answered.value.error.code == code
+    assert answered.value.error.message == "refund of o-1 refused"
+    assert answered.value.error.data == {"order": "o-1"}
+    assert answered.value.key == op.key
+    assert tools.keys("refund") == [op.key]  # not sent again
+    assert entry is not None
+    assert entry.state is OperationState.FAILED
+
+
+async def test_a_tool_that_crashed_and_was_released_is_sent_again(
+    tmp_path: Path, fake_time: FakeTime
+) -> None:
+    """As an HTTP 500: the server recorded nothing, and the retry under the key runs it."""
+    tools = Tools(server=MCPServer("tickets", extensions=[IdempotentTools(MemoryStore())]))
+    crashes = [ConnectionError("the database restarted")]
+
+    @tools.server.tool()
+    async def book(room: str, ctx: Context) -> str:
+        await tools._run("book", ctx)
+        if crashes:
+            raise crashes.pop()
+        return f"booked {room}"
+
+    async with calling(tools, tmp_path, fake_time) as caller:
+        key, result, state = await settle(caller, "book", "B-1", {"room": "r-1"})
+    assert text(result) == "booked r-1"
+    assert tools.keys("book") == [key, key]
+    assert state is OperationState.CONFIRMED

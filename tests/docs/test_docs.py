@@ -4,8 +4,10 @@ The package is built into a wheel once per session and installed, with the extra
 use, into a fresh virtual environment; the checkout is never on its path. Each page's blocks
 then run in order in one process there (a block may build on the blocks before it on its page),
 in an empty folder, so a block that imports ``example_app`` or forgets to make its table fails.
-Top-level ``await`` runs on an event loop. A block marked ``not run (why)`` or ``file PATH``
-(a file another test runs, such as an Alembic env.py) is left out. The site builds strictly.
+They run as they would copied into a file: a top-level ``await`` is a syntax error. A block
+marked ``not run (why)`` is left out, and so is one marked ``file PATH`` (a file another block
+or test runs, such as an Alembic env.py or an MCP server over stdio), which is written to PATH
+in the page's folder first. The site builds strictly.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 
 from tests.conftest import MARIADB_URL, POSTGRESQL_URL, REDIS_URL
 from tests.support.faults import free_port
-from tests.support.readme import ROOT, Block, blocks, commands, marked, pages
+from tests.support.readme import README, ROOT, Block, blocks, commands, marked, pages
 from tests.support.warm import WarmPython
 
 #: The extras the blocks need, and the framework and server the package leaves to its user.
@@ -41,14 +43,11 @@ MKDOCS = Path(sys.executable).parent / "mkdocs"
 
 #: Runs the page's blocks (JSON on stdin) in one namespace; the first that fails ends it.
 RUNNER = """
-import ast, asyncio, json, sys, traceback
+import json, sys, traceback
 namespace = {"__name__": "__docs__"}
 for block in json.load(sys.stdin):
     try:
-        code = compile(block["text"], block["where"], "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-        result = eval(code, namespace)
-        if asyncio.iscoroutine(result):
-            asyncio.run(result)
+        exec(compile(block["text"], block["where"], "exec"), namespace)
     except BaseException:
         traceback.print_exc()
         sys.exit(f"the block at {block['where']} failed")
@@ -59,11 +58,21 @@ def _skipped(block: Block) -> bool:
     return block.marker is not None and block.marker.startswith(("not run", "file "))
 
 
+def _file_path(block: Block) -> str | None:
+    """Where a block marked ``file PATH (why)`` goes, relative to the page's folder."""
+    if block.marker is None or not block.marker.startswith("file "):
+        return None
+    return block.marker.removeprefix("file ").split()[0]
+
+
 def _where(page: Path, block: Block) -> str:
     return f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page.name}:{block.line}"
 
 
-PAGES = [page for page in pages() if any(b.language == "python" for b in blocks(page))]
+#: The pages whose blocks run (the README's run twice in its own test).
+PAGES = [
+    page for page in pages() if page != README and any(b.language == "python" for b in blocks(page))
+]
 PYTHON_BLOCKS = [
     (page, block) for page in PAGES for block in blocks(page) if block.language == "python"
 ]
@@ -173,7 +182,13 @@ def page_python(installed: Path) -> Iterator[WarmPython]:
 
 
 def run_page(python: WarmPython, page: Path, folder: Path) -> subprocess.CompletedProcess[str]:
-    """Run a page's blocks in order with the venv's python (isolated: no PYTHONPATH, no cwd)."""
+    """Write a page's file blocks into ``folder``, then run its blocks in order there with the
+    venv's python (isolated: no PYTHONPATH, no cwd)."""
+    for block in blocks(page):
+        path = _file_path(block)
+        if path is not None:
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_text(block.text)
     runnable = [
         {"where": _where(page, block), "text": block.text}
         for block in blocks(page)
@@ -190,6 +205,14 @@ def test_the_python_blocks_of_a_page_run_from_the_wheel(
 ) -> None:
     result = run_page(page_python, page, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_readme_runs_twice_in_the_same_folder(page_python: WarmPython, tmp_path: Path) -> None:
+    """A newcomer runs its examples, then runs them again: what the first run left (a
+    database, a journal) must not break the second."""
+    for run in ("first", "second"):
+        result = run_page(page_python, README, tmp_path)
+        assert result.returncode == 0, f"the {run} run\n{result.stdout}{result.stderr}"
 
 
 def test_the_package_comes_from_the_wheel_not_the_checkout(

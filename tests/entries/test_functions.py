@@ -17,7 +17,15 @@ import pytest
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from idempotency_mw import ConfigurationError, Store, fence, fence_sync
+from idempotency_mw import (
+    ConfigurationError,
+    InvalidKey,
+    SchemaError,
+    SQLStore,
+    Store,
+    fence,
+    fence_sync,
+)
 from idempotency_mw.client import sync_url
 from idempotency_mw.functions import (
     BytesCodec,
@@ -326,3 +334,32 @@ def test_options_are_checked() -> None:
     for options in ({"scope": ""}, {"max_result_bytes": -1}, {"on_lease_lost": "ignore"}):
         with pytest.raises(ConfigurationError):
             IdempotentFunctions(MemoryStore(), **options)
+
+
+@pytest.mark.parametrize("key", ["a\x00b", "a\r\nb", "clé", "a b", "", "x" * 256])
+async def test_a_key_an_http_request_could_not_carry_is_refused_before_anything_runs(
+    store: Store, key: str
+) -> None:
+    protect = IdempotentFunctions(store)
+    runs: list[str] = []
+
+    @protect(key=lambda order: key)
+    async def charge(order: str) -> str:
+        runs.append(order)
+        return order
+
+    with pytest.raises(InvalidKey, match="1-255 visible ASCII characters") as refused:
+        await charge("o-1")
+    assert isinstance(refused.value, ConfigurationError)  # never retryable as it is
+    assert runs == []
+
+
+async def test_the_first_call_checks_the_stores_schema(tmp_path: Path) -> None:
+    store = SQLStore(f"sqlite:///{tmp_path / 'empty.db'}")
+    protect = IdempotentFunctions(store)
+    runs: list[str] = []
+    for _ in range(2):  # a table that is still missing says so again
+        with pytest.raises(SchemaError, match="idempotency-mw migrate"):
+            await protect.run("k", runs.append, "ran")
+    await store.aclose()
+    assert runs == []
