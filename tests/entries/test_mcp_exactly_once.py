@@ -20,10 +20,13 @@ import pytest
 from asgi_lifespan import LifespanManager
 from mcp.client.client import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.server.auth.provider import AccessToken
+from mcp.server.auth.settings import AuthSettings
 from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
 from mcp_types import INVALID_PARAMS, RequestParamsMeta, TextContent
+from pydantic import AnyHttpUrl
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from starlette.requests import HTTPConnection
@@ -72,9 +75,11 @@ class Tools:
     effects: list[str] = field(default_factory=list)
     crashes: int = 1
 
-    def server(self, store: Store | None = None, *, scope: Scope = "mcp") -> MCPServer:
+    def server(
+        self, store: Store | None = None, *, scope: Scope = "mcp", **options: Any
+    ) -> MCPServer:
         protect = IdempotentTools(store or MemoryStore(clock=self.clock), ttl=60, scope=scope)
-        server = MCPServer("tools", extensions=[protect], lifespan=protect.lifespan)
+        server = MCPServer("tools", extensions=[protect], lifespan=protect.lifespan, **options)
 
         @server.tool()
         async def create(title: str) -> dict[str, object]:
@@ -254,6 +259,41 @@ async def test_two_callers_with_one_key_get_no_shared_result(tools: Tools, trans
             again = await alice.call_tool("create", ticket, meta=key)
     assert first.structured_content == again.structured_content == {"id": 1, "title": "t"}
     assert [e.data["type"] for e in refusals] == [PROBLEM + "credential-mismatch"] * 2
+    assert tools.effects == ["t"]
+
+
+class Tokens:
+    """A token verifier: each token names its OAuth client and subject (a refreshed token of
+    the same subject is another string)."""
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        subject, _, _ = token.partition("-token-")
+        return AccessToken(token=token, client_id="agent", scopes=[], subject=subject)
+
+
+@pytest.mark.parametrize("transport", HTTP)
+async def test_records_are_bound_to_the_sdks_authenticated_client(
+    tools: Tools, transport: str
+) -> None:
+    """With the SDK's auth, the principal it authenticated (not the bearer token, which a
+    refresh changes) owns the record."""
+    auth = AuthSettings(
+        issuer_url=AnyHttpUrl("https://auth.example"),
+        resource_server_url=AnyHttpUrl("http://127.0.0.1/mcp"),
+        validate_token_resource=False,  # the verifier below checks nothing: a test's own
+    )
+    server = tools.server(auth=auth, token_verifier=Tokens())
+    ticket, key = {"title": "t"}, key_meta("k")
+    async with sessions(server, transport) as session:
+        async with session(authorization="Bearer alice-token-1") as alice:
+            first = await alice.call_tool("create", ticket, meta=key)
+        async with session(authorization="Bearer alice-token-2") as alice:  # refreshed
+            again = await alice.call_tool("create", ticket, meta=key)
+        async with session(authorization="Bearer bob-token-1") as bob:
+            with pytest.raises(MCPError) as refused:
+                await bob.call_tool("create", ticket, meta=key)
+    assert first.structured_content == again.structured_content
+    assert refused.value.data["type"] == PROBLEM + "credential-mismatch"
     assert tools.effects == ["t"]
 
 
