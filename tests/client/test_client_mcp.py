@@ -49,6 +49,8 @@ pytestmark = pytest.mark.anyio
 
 #: Attempts time out after 0.3 s; retries go at once.
 POLICY = RetryPolicy(backoff_base=0.0, read_timeout=0.3)
+#: For calls that must not time out, however loaded the machine.
+PATIENT = RetryPolicy(backoff_base=0.0, read_timeout=10)
 
 
 @dataclass
@@ -94,13 +96,13 @@ class Tools:
 
 @asynccontextmanager
 async def calling(
-    tools: Tools, path: Path, fake_time: FakeTime
+    tools: Tools, path: Path, fake_time: FakeTime, policy: RetryPolicy = POLICY
 ) -> AsyncIterator[IdempotentToolCaller]:
     """A caller on a session of ``tools``' server, journaling in ``path``."""
     async with (
         Client(tools.server) as session,
         IdempotentToolCaller(
-            session, journal=path / "journal.sqlite3", policy=POLICY, sleep=fake_time.sleep
+            session, journal=path / "journal.sqlite3", policy=policy, sleep=fake_time.sleep
         ) as caller,
     ):
         yield caller
@@ -257,7 +259,7 @@ async def test_a_servers_jsonrpc_error_is_its_final_answer(
         await tools._run("refund", ctx)
         raise MCPError(code, f"refund of {order} refused", data={"order": order})
 
-    async with calling(tools, tmp_path, fake_time) as caller:
+    async with calling(tools, tmp_path, fake_time, PATIENT) as caller:
         op = await caller.operation("refund", ref="R-1")
         with pytest.raises(ToolCallError) as answered:
             await caller.send(op, {"order": "o-1"})
@@ -285,7 +287,7 @@ async def test_a_tool_that_crashed_and_was_released_is_sent_again(
             raise crashes.pop()
         return f"booked {room}"
 
-    async with calling(tools, tmp_path, fake_time) as caller:
+    async with calling(tools, tmp_path, fake_time, PATIENT) as caller:
         key, result, state = await settle(caller, "book", "B-1", {"room": "r-1"})
     assert text(result) == "booked r-1"
     assert tools.keys("book") == [key, key]
