@@ -2,13 +2,14 @@
 
 1. Floors: a first request's store work without the middleware. Two autocommit statements on
    PostgreSQL through asyncpg (INSERT a row, UPDATE it); a claim and a completion on Redis as
-   two commands (``SET NX PX``, ``SET XX PX``) through redis-py and through our pipelined
-   connection; three SQLite statements through sqlite3 in autocommit (read, upsert, update), on
-   a file in WAL with ``synchronous=FULL`` (the store's default) and with ``NORMAL``. Beside
-   them, for reference, the store's own statements through each driver it can use
-   (``driver="native"`` and ``driver="sqlalchemy"``, on SQLite, PostgreSQL and MariaDB), without
-   the store's bookkeeping or the middleware: what its schema and SQL cost over the floor's bare
-   table, and what each native driver saves over SQLAlchemy's engine in the same run.
+   two commands (``SET NX PX``, ``SET XX PX``) through redis-py, and beside them the store's own
+   claim and completion scripts through the same library; three SQLite statements through
+   sqlite3 in autocommit (read, upsert, update), on a file in WAL with ``synchronous=FULL`` (the
+   store's default) and with ``NORMAL``. Beside them, for reference, the store's own statements
+   through each driver it can use (``driver="native"`` and ``driver="sqlalchemy"``, on SQLite,
+   PostgreSQL and MariaDB), without the store's bookkeeping or the middleware: what its schema
+   and SQL cost over the floor's bare table, and what each native driver saves over SQLAlchemy's
+   engine in the same run.
 2. The middleware's own CPU per request, outside store calls: CPU of the event loop's thread
    (where the middleware runs) per request behind the middleware, minus bare FastAPI's, minus
    that thread's CPU inside the store's calls (timed by a delegating store), beside bare
@@ -20,7 +21,7 @@
 4. ``on_event=None`` against a hook that does nothing (MemoryStore, so the hook's share shows).
 
 Variants alternate in rounds of ``--chunk`` requests so that drift hits them alike. What a
-version of the library lacks (fence, on_event, MemoryStore, the pipelined connection) shows "-".
+version of the library lacks (fence, on_event, MemoryStore) shows "-".
 
     python -m benchmarks.overhead [-n 2000] [--chunk 200]
 """
@@ -140,16 +141,15 @@ async def floors(n: int, chunk: int, directory: Path) -> dict[str, Summary]:
             client = redis.asyncio.Redis.from_url(REDIS_URL)
             stack.push_async_callback(client.aclose)
             variants["Redis, 2 commands (redis-py)"] = _redis_floor(client.execute_command, tag)
-            pipelined = _pipelined_connection()
-            if pipelined is not None:
-                stack.push_async_callback(pipelined.aclose)
-                variants["Redis, 2 commands (pipelined connection)"] = _redis_floor(
-                    pipelined.execute, tag
-                )
+            from idempotency_mw import RedisStore
+
+            store = RedisStore(REDIS_URL, prefix=f"{REDIS_PREFIX}floor:")
+            stack.push_async_callback(store.aclose)
+            variants["Redis, the store's 2 scripts (redis-py)"] = _redis_store_scripts(store, tag)
         timed = await _timed_rounds(variants, n, chunk)
     if unavailable("ours-mariadb"):
         return timed
-    # Apart: with MariaDB's pools open in the process, the pipelined Redis rounds ran slower.
+    # Apart: with MariaDB's pools open in the process, the Redis rounds ran slower.
     async with AsyncExitStack() as stack:
         variants = {}
         for driver in ("native", "sqlalchemy"):
@@ -232,19 +232,19 @@ def _redis_floor(
     return operation
 
 
-def _pipelined_connection() -> Any:
-    """Our hand-written Redis connection to the benchmarks' database, if this version has one."""
-    from urllib.parse import urlsplit
+def _redis_store_scripts(store: Any, tag: str) -> Callable[[int], Awaitable[None]]:
+    """A first request's claim and completion as RedisStore sends them, without the middleware:
+    what the store adds over the floor's two commands."""
+    from idempotency_mw import StoredResponse
 
-    try:
-        from idempotency_mw.stores.redis.resp import Address, PipelinedConnection
-    except ImportError:
-        return None
-    parts = urlsplit(REDIS_URL)
-    address = Address(
-        host=parts.hostname or "127.0.0.1", port=parts.port or 6379, db=int(parts.path[1:] or 0)
-    )
-    return PipelinedConnection(address, timeout=5.0)
+    response = StoredResponse(201, ((b"content-type", b"application/json"),), BODY)
+
+    async def operation(i: int) -> None:
+        claim = await store.claim("", f"{tag}-{i}", "f" * 64, ttl=60, lease=60)
+        assert claim.token is not None
+        assert await store.complete("", f"{tag}-{i}", claim.token, response, ttl=60)
+
+    return operation
 
 
 # ---------------------------------------------------------------- the middleware's own CPU

@@ -255,7 +255,7 @@ async def build_store(url: str, *, prefix: str = DEFAULT_REDIS_PREFIX) -> Inspec
     if is_redis_url(url):
         from idempotency_mw.stores.redis import RedisStore
 
-        return RedisStore(url, prefix=prefix, cluster=await _is_cluster(url), transport="redis-py")
+        return RedisStore(url, prefix=prefix, cluster=await _is_cluster(url))
     from idempotency_mw.stores.sql import SQLStore, async_url
 
     _refuse_a_missing_sqlite_file(url)

@@ -49,7 +49,6 @@ EXTRA_OF_MODULE = {
     "sqlalchemy": "sql",
     "alembic": "sql",
     "redis": "redis",
-    "hiredis": "redis",
     "uvicorn": "panel",
     "httpx": "client",
 }

@@ -13,7 +13,7 @@ import redis.asyncio
 from idempotency_mw.exceptions import ConfigurationError, StoreError
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.stores.base import Store
-from idempotency_mw.stores.redis import RedisStore, scripts
+from idempotency_mw.stores.redis import RedisStore
 from tests.conftest import REDIS_URL, redis_prefix, require_server
 from tests.support import claimers
 from tests.support.claimers import outcomes_from_processes
@@ -40,16 +40,15 @@ async def delete_prefix(
         await client.delete(*keys)
 
 
-@pytest.fixture(params=["pipelined", "redis-py"])
+@pytest.fixture(params=["url", "client"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
-    """A started RedisStore with its own prefix, on each of its two connections.
+    """A started RedisStore with its own prefix, made from a URL or given a redis-py client.
 
-    "pipelined" is made from a URL (its own pipelined connection); "redis-py" is given a
-    redis-py client. Its keys are deleted afterwards.
+    Its keys are deleted afterwards.
     """
     require_server(REDIS_URL)
     prefix = unique_prefix()
-    given = None if request.param == "pipelined" else redis.asyncio.Redis.from_url(REDIS_URL)
+    given = None if request.param == "url" else redis.asyncio.Redis.from_url(REDIS_URL)
     store = (
         RedisStore(REDIS_URL, prefix=prefix)
         if given is None
@@ -313,10 +312,9 @@ async def test_record_is_a_hash_of_bytes(store: RedisStore) -> None:
 
 async def test_a_retried_script_call_keeps_its_outcome(store: RedisStore) -> None:
     # redis-py resends a command whose reply was lost; the same token must not lose its claim.
-    redis_key = store.redis_key(SCOPE, "k")
-    args: list[str | int] = ["fp", "token-1", 60_000, 30_000]
-    assert (await store._run("claim", scripts.CLAIM, redis_key, *args))[0] == b"acquired"
-    assert (await store._run("claim", scripts.CLAIM, redis_key, *args))[0] == b"acquired"
+    for _ in range(2):
+        again = await store._claim(SCOPE, "k", "fp", ttl=60, lease=30, token="token-1")
+        assert again.outcome is ClaimOutcome.ACQUIRED
     assert await store.complete(SCOPE, "k", "token-1", RESPONSE, ttl=60)
     assert await store.complete(SCOPE, "k", "token-1", RESPONSE, ttl=60)
     assert (await claim(store)).response == RESPONSE
@@ -368,7 +366,7 @@ async def test_client_decoding_responses_is_rejected() -> None:
     finally:
         await client.aclose()
     with pytest.raises(ConfigurationError, match="decode_responses=False"):
-        RedisStore(f"{REDIS_URL}?decode_responses=True", transport="redis-py")
+        RedisStore(f"{REDIS_URL}?decode_responses=True")
 
 
 async def test_exactly_one_of_url_and_client(redis_client: redis.asyncio.Redis) -> None:

@@ -1,5 +1,5 @@
-"""Redis servers of our own on free ports: a local Redis Cluster (3 masters, 3 replicas), and a
-master watched by a Sentinel."""
+"""Redis servers of our own on free ports: a local Redis Cluster (3 masters, 3 replicas), a
+master watched by a Sentinel, and a server that also listens with TLS and on a Unix socket."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from tests.support.certificates import Certificates, make_certificates
 from tests.support.ports import free_ports
 
 HOST = "127.0.0.1"
@@ -185,6 +186,51 @@ class RedisSentinel:
     @property
     def sentinel_address(self) -> tuple[str, int]:
         return HOST, self.nodes[1].port
+
+    def stop(self) -> None:
+        stop_servers(self.nodes, self.folder)
+
+
+@dataclass
+class RedisTLS:
+    """A server that listens on a plain port, on a TLS port (its certificate signed by an
+    authority of the test's own) and on a Unix socket; stopped by :meth:`stop`."""
+
+    folder: Path
+    tls_port: int
+    certificates: Certificates
+    nodes: list[Node] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, folder: Path) -> Self:
+        folder.mkdir(parents=True, exist_ok=True)
+        port, tls_port = free_ports(2)
+        server = cls(folder, tls_port, make_certificates(folder))
+        try:
+            server.nodes.append(
+                start_server(
+                    folder / "server",
+                    port,
+                    *("--tls-port", str(tls_port), "--tls-auth-clients", "no"),
+                    *("--tls-cert-file", str(server.certificates.cert)),
+                    *("--tls-key-file", str(server.certificates.key)),
+                    *("--tls-ca-cert-file", str(server.certificates.ca)),
+                    *("--unixsocket", str(server.socket), "--unixsocketperm", "700"),
+                )
+            )
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    @property
+    def socket(self) -> Path:
+        return self.folder / "redis.sock"
+
+    @property
+    def tls_url(self) -> str:
+        """A ``rediss://`` URL that trusts the server's authority."""
+        return f"rediss://{HOST}:{self.tls_port}/0?ssl_ca_certs={self.certificates.ca}"
 
     def stop(self) -> None:
         stop_servers(self.nodes, self.folder)

@@ -1,5 +1,5 @@
 """RedisStore's :class:`~idempotency_mw.stores.base.Inspectable` half: the operator's reads and
-deletes of the records, on the store's own key layout, transport and script runner.
+deletes of the records, on the store's own key layout, client and script runner.
 
 A record's Redis key is a digest of its scope and key, so a listing names records by that key
 (their ``ref``) and cannot tell their scope and key. Listings and counts scan every primary of
@@ -14,16 +14,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from idempotency_mw.admin import RecordView, StoreStats, record_version, utc_ms
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.records import RecordStatus
-from idempotency_mw.stores.redis.scripts import Script
 
 if TYPE_CHECKING:
-    from idempotency_mw.stores.redis.resp import Arg
+    from redis.commands.core import AsyncScript
+    from redis.typing import EncodableT
+
     from idempotency_mw.stores.redis.store import AsyncClient
 
 T = TypeVar("T")
 
-INSPECT = Script("inspect")
-FORGET = Script("forget", clock=False)
 _BATCH = 500
 #: What INSPECT reads of a record, in its order.
 _FIELDS = ("status", "token", "request_hash", "lease_expires_at", "expires_at", "response_status")
@@ -39,7 +38,13 @@ class RedisInspection:
         @property
         def prefix(self) -> str: ...
         def redis_key(self, scope: str, key: str) -> str: ...
-        async def _run(self, operation: str, script: Script, redis_key: str, *args: Arg) -> Any: ...
+
+        _inspect_script: AsyncScript
+        _forget_script: AsyncScript
+
+        async def _run(
+            self, operation: str, script: AsyncScript, redis_key: str, *args: EncodableT
+        ) -> Any: ...
         async def _call(self, operation: str, call: Callable[[], Awaitable[T]]) -> T: ...
 
     def record_ref(self, scope: str, key: str) -> str:
@@ -47,7 +52,7 @@ class RedisInspection:
 
     async def find_record(self, ref: str, *, with_body: bool = False) -> RecordView | None:
         self._check(ref)
-        reply = await self._run("inspect", INSPECT, ref, "1" if with_body else "0")
+        reply = await self._run("inspect", self._inspect_script, ref, "1" if with_body else "0")
         return _view(ref, reply)
 
     async def list_records(self, status: RecordStatus, *, limit: int) -> list[RecordView]:
@@ -75,7 +80,9 @@ class RedisInspection:
     async def _now(self) -> int:
         """The server's clock (ms), read by the inspection script on a key that holds no
         record."""
-        return int((await self._run("inspect", INSPECT, f"{self.prefix}{{clock}}", "0"))[0])
+        return int(
+            (await self._run("inspect", self._inspect_script, f"{self.prefix}{{clock}}", "0"))[0]
+        )
 
     async def scopes_of(self, key: str, *, limit: int) -> list[str] | None:
         """``None``: a record's Redis key is a digest of its scope and key together."""
@@ -83,7 +90,7 @@ class RedisInspection:
 
     async def force_release(self, record: RecordView) -> bool:
         self._check(record.ref)
-        return bool(await self._run("release", FORGET, record.ref, record.version))
+        return bool(await self._run("release", self._forget_script, record.ref, record.version))
 
     async def record_stats(self) -> StoreStats:
         by_status: dict[RecordStatus, int] = dict.fromkeys(RecordStatus, 0)
