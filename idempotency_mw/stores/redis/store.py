@@ -45,6 +45,10 @@ AsyncClient = redis.asyncio.Redis | RedisCluster
 DEFAULT_TIMEOUT = 5.0
 
 
+#: A claim script's first reply (bytes: the client never decodes) as the outcome it names.
+_OUTCOMES = {outcome.value.encode(): outcome for outcome in ClaimOutcome}
+
+
 def _ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
@@ -186,7 +190,7 @@ class RedisStore(RedisInspection, ClaimsWithToken):
             _ms(lease),
             binding,
         )
-        outcome = ClaimOutcome(_text(reply[0]))
+        outcome = _OUTCOMES[reply[0]]
         if outcome is ClaimOutcome.ACQUIRED:
             return Claim(outcome, token=token)
         if outcome is ClaimOutcome.REPLAY:
