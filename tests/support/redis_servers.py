@@ -10,10 +10,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
-from tests.support.certificates import Certificates, make_certificates
 from tests.support.ports import free_ports
+
+if TYPE_CHECKING:
+    from tests.support.certificates import Certificates
 
 HOST = "127.0.0.1"
 #: How long a master may be silent before the others count it as failed (ms): short, so a
@@ -203,6 +205,9 @@ class RedisTLS:
 
     @classmethod
     def start(cls, folder: Path) -> Self:
+        # Imported here: the stores' tests on the oldest versions run without cryptography.
+        from tests.support.certificates import make_certificates
+
         folder.mkdir(parents=True, exist_ok=True)
         port, tls_port = free_ports(2)
         server = cls(folder, tls_port, make_certificates(folder))
