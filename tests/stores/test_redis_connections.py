@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import ssl
 import time
 import uuid
@@ -21,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Span
 
 from idempotency_mw import ClaimOutcome, ConfigurationError, RedisStore, StoredResponse, StoreError
+from idempotency_mw.cli import main
 from idempotency_mw.metrics import key_hash
 from idempotency_mw.stores.redis import scripts
 from tests.conftest import REDIS_URL, require_redis_server, require_server
@@ -65,12 +67,19 @@ async def silent_server() -> tuple[asyncio.Server, int]:
     return server, server.sockets[0].getsockname()[1]
 
 
-async def test_a_rediss_url_talks_tls_and_checks_the_certificate(redis_tls: RedisTLS) -> None:
-    store = RedisStore(redis_tls.tls_url)
+async def test_a_rediss_url_talks_tls_and_checks_the_certificate(
+    redis_tls: RedisTLS, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = f"test-idem-{uuid.uuid4().hex}:"
+    store = RedisStore(redis_tls.tls_url, prefix=prefix)
     try:
         await round_trip(store)
     finally:
         await store.aclose()
+    # The operator's command takes the same URL (in a thread: it runs its own event loop).
+    command = ["stats", "--url", redis_tls.tls_url, "--prefix", prefix, "--json"]
+    assert await asyncio.to_thread(main, command) == 0
+    assert json.loads(capsys.readouterr().out)["by_status"]["completed"] == 1
     # Without the authority's certificate, the server's is not trusted.
     untrusting = RedisStore(f"rediss://127.0.0.1:{redis_tls.tls_port}/0")
     try:
