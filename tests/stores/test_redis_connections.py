@@ -8,6 +8,8 @@ import asyncio
 import hashlib
 import json
 import ssl
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -261,3 +263,23 @@ async def test_opentelemetry_sees_each_command_of_a_request(
         ("EVALSHA", hashlib.sha1(scripts.CLAIM.encode()).hexdigest()),
         ("EVALSHA", hashlib.sha1(scripts.COMPLETE.encode()).hexdigest()),
     ]
+
+
+def test_hiredis_is_optional() -> None:
+    require_server(REDIS_URL)
+    # As if hiredis were not installed: redis-py parses replies itself.
+    code = (
+        "import asyncio, sys, uuid\n"
+        "sys.modules['hiredis'] = None\n"
+        "from idempotency_mw import RedisStore\n"
+        "async def main():\n"
+        f"    store = RedisStore({REDIS_URL!r}, prefix=f'test-idem-{{uuid.uuid4().hex}}:')\n"
+        "    claim = await store.claim('s', 'k', 'f', ttl=5, lease=5)\n"
+        "    print(await store.release('s', 'k', claim.token))\n"
+        "    await store.aclose()\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.stdout.strip() == "True", done.stderr
