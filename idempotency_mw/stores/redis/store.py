@@ -41,10 +41,9 @@ T = TypeVar("T")
 
 #: A client RedisStore takes: one server (standalone, or a Sentinel's master) or a cluster.
 AsyncClient = redis.asyncio.Redis | RedisCluster
-#: The socket timeout of a client the store makes from a URL, in seconds.
+#: The socket timeout of a client the store makes from a URL (and how long the settlement feed
+#: waits to subscribe), in seconds.
 DEFAULT_TIMEOUT = 5.0
-
-
 #: A claim script's first reply (bytes: the client never decodes) as the outcome it names.
 _OUTCOMES = {outcome.value.encode(): outcome for outcome in ClaimOutcome}
 
