@@ -27,7 +27,7 @@ from idempotency_mw import ClaimOutcome, ConfigurationError, RedisStore, StoredR
 from idempotency_mw.cli import main
 from idempotency_mw.metrics import key_hash
 from idempotency_mw.stores.redis import scripts
-from tests.conftest import REDIS_URL, require_redis_server, require_server
+from tests.conftest import REDIS_URL, redis_prefix, require_redis_server, require_server
 from tests.support.apps import client_for, make_app
 from tests.support.redis_servers import RedisSentinel, RedisTLS
 
@@ -108,7 +108,7 @@ async def test_a_unix_socket_url(redis_tls: RedisTLS) -> None:
 
 async def test_options_in_the_url_reach_the_client() -> None:
     require_server(REDIS_URL)
-    prefix = f"test-idem-{uuid.uuid4().hex}:"
+    prefix = redis_prefix("connections")
     store = RedisStore(f"{REDIS_URL}?health_check_interval=5&protocol=3", prefix=prefix)
     heard: asyncio.Queue[str] = asyncio.Queue()
     feed = asyncio.ensure_future(store.watch_settlements(heard.put_nowait))
@@ -200,7 +200,7 @@ async def test_a_store_call_gives_up_within_socket_timeout_behind_a_silent_serve
 
 def test_a_store_closed_in_one_event_loop_works_in_the_next() -> None:
     require_server(REDIS_URL)
-    store = RedisStore(REDIS_URL, prefix=f"test-idem-{uuid.uuid4().hex}:")
+    store = RedisStore(REDIS_URL, prefix=redis_prefix("connections"))
 
     async def claim_and_close(key: str) -> None:
         outcome = await store.claim("s", key, "fp", ttl=5, lease=5)
@@ -244,7 +244,7 @@ async def test_opentelemetry_sees_each_command_of_a_request(
     spans: InMemorySpanExporter,
 ) -> None:
     require_server(REDIS_URL)
-    prefix = f"test-idem-{uuid.uuid4().hex}:"
+    prefix = redis_prefix("connections")
     store = RedisStore(REDIS_URL, prefix=prefix)
     try:
         async with client_for(make_app(store)) as http:
@@ -269,11 +269,11 @@ def test_hiredis_is_optional() -> None:
     require_server(REDIS_URL)
     # As if hiredis were not installed: redis-py parses replies itself.
     code = (
-        "import asyncio, sys, uuid\n"
+        "import asyncio, sys\n"
         "sys.modules['hiredis'] = None\n"
         "from idempotency_mw import RedisStore\n"
         "async def main():\n"
-        f"    store = RedisStore({REDIS_URL!r}, prefix=f'test-idem-{{uuid.uuid4().hex}}:')\n"
+        f"    store = RedisStore({REDIS_URL!r}, prefix={redis_prefix('connections')!r})\n"
         "    claim = await store.claim('s', 'k', 'f', ttl=5, lease=5)\n"
         "    print(await store.release('s', 'k', claim.token))\n"
         "    await store.aclose()\n"
