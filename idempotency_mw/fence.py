@@ -121,7 +121,7 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
         )
     connection = await session.connection() if hasattr(session, "get_bind") else session
     if _on_the_store(target, connection.engine.url):
-        statement, params = target.fence_statement(claim.scope, claim.key, claim.token)
+        statement, params = target.fence_statement(claim.scope, claim.key, claim.token, claim.ttl)
         changed = (await connection.execute(statement, params)).rowcount
         if changed == 0:
             statement, params = target.refence_statement(claim)
@@ -157,7 +157,7 @@ def fence_sync(session: Any, *, store: Store | None = None) -> None:
         )
     connection = session.connection() if hasattr(session, "get_bind") else session
     if _on_the_store(target, connection.engine.url):
-        statement, params = target.fence_statement(claim.scope, claim.key, claim.token)
+        statement, params = target.fence_statement(claim.scope, claim.key, claim.token, claim.ttl)
         changed = connection.execute(statement, params).rowcount
         if changed == 0:
             statement, params = target.refence_statement(claim)

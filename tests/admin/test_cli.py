@@ -531,7 +531,7 @@ async def fenced(target: Target, key: str, *, settle: bool) -> str:
     token = await claim(target.store, key)
     engine = create_async_engine(async_url(target.url))
     async with engine.begin() as conn:
-        statement, params = target.store.fence_statement("", key, token)
+        statement, params = target.store.fence_statement("", key, token, HOUR)
         assert (await conn.execute(statement, params)).rowcount == 1
     await engine.dispose()
     if settle:

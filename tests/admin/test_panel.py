@@ -166,7 +166,7 @@ async def test_a_key_whose_effect_was_committed_is_never_offered_for_release(
     store = await sqlite_store_at(tmp_path / "idempotency.db")
     fenced = await store.claim("", "order-17", "hash-order-17", ttl=HOUR, lease=0.05)
     assert fenced.token is not None
-    statement, params = store.fence_statement("", "order-17", fenced.token)
+    statement, params = store.fence_statement("", "order-17", fenced.token, HOUR)
     engine = create_async_engine(async_url(url))
     async with engine.begin() as conn:
         await conn.execute(statement, params)

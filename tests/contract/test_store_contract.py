@@ -134,7 +134,7 @@ async def test_claims_from_several_processes_have_one_winner(
 async def mark_committed(store: SQLStore, key: str, token: str) -> None:
     """Mark ``token``'s effect committed, as ``fence()`` does in an application's transaction."""
     engine = create_async_engine(async_url(store.url.render_as_string(hide_password=False)))
-    statement, params = store.fence_statement("", key, token)
+    statement, params = store.fence_statement("", key, token, TTL)
     async with engine.begin() as conn:
         assert (await conn.execute(statement, params)).rowcount == 1
     await engine.dispose()

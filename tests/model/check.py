@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODEL = Path(__file__).with_name("lifecycle.pml")
-#: The model's two configurations: the handler fences its effect, or it does not.
-CONFIGURATIONS = {"fenced": ("-DFENCED",), "unfenced": ()}
+#: The model's configurations: the effect fenced with the proof table, fenced with a store on
+#: the app's own database, or not fenced.
+CONFIGURATIONS = {"fenced": ("-DFENCED",), "same-db": ("-DSAME_DB",), "unfenced": ()}
 #: pan's search depth limit (the model's longest path is a few hundred steps) and memory cap.
 DEPTH_LIMIT = 10_000
 MEMORY_MB = 1024

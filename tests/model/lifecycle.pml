@@ -12,9 +12,11 @@
  * the store forgets everything (a restarted Redis). A reply lost and its statement run again
  * is no fault: the store must recognise its own token.
  *
- * Two configurations: -DFENCED, the handler commits its effect with fence() (its proof in
- * the app's transaction, proofs.py); without it, the effect is unfenced and each double run
- * is labelled with the window that let it happen.
+ * Three configurations: -DFENCED, the handler commits its effect with fence() and its proof
+ * is a row of the app's database (proofs.py: a RedisStore, a MemoryStore, a store elsewhere);
+ * -DSAME_DB, fenced too, with a SQLStore on the app's own database, whose record is the proof
+ * (FENCE, REFENCE, RELEASE_COMMITTED, PROBATION) and which forgets nothing; neither: the effect is
+ * unfenced, and each double run is labelled with the window that let it happen.
  *
  * Each step names the code it stands for. The store's steps follow MemoryStore
  * (idempotency_mw/testing.py), the Lua scripts (stores/redis/lua/*.lua) and the SQL
@@ -38,7 +40,9 @@
  * Variants that must fail (tests/model/test_model.py): BROKEN_COMPLETE (complete without
  * comparing the token), BROKEN_CLAIM (a read, then a write), BROKEN_PROOF (the proof takes
  * over another run's live proof), BROKEN_RENEW (renew without comparing the token),
- * BROKEN_REDELIVERY (a claim delivered twice does not recognise its own token).
+ * BROKEN_REDELIVERY (a claim delivered twice does not recognise its own token),
+ * BROKEN_FENCE_TTL with SAME_DB (FENCE keeps the record a TTL from its claim, not its commit:
+ * the code before the model found it).
  */
 
 #ifndef CALLERS
@@ -52,6 +56,9 @@
 #endif
 #ifndef MAXT
 #define MAXT 4         /* the clock stops here */
+#endif
+#ifdef SAME_DB
+#define FENCED
 #endif
 #ifdef FENCED
 #define FENCED_RUN 1
@@ -67,12 +74,14 @@
 #define ABSENT 0
 #define IN_PROGRESS 1
 #define COMPLETED 2
+#define COMMITTED 3    /* RELEASE_COMMITTED: settled as committed, without a response */
 
 /* A claim's outcome (records.ClaimOutcome); ERROR: StoreError. */
 #define ACQUIRED 1
 #define REPLAY 2
 #define BUSY 3
 #define ERROR 4
+#define COMMITTED_WITHOUT_RESPONSE 5
 
 /* A renewal's answer (lease.Renew): False, True, None (the store failed). */
 #define NOT_OWNED 0
@@ -82,6 +91,8 @@
 /* An answer is the token of the run that gave it, or REFUSED: 409 committed-without-response,
    recorded when fence() met an earlier run's proof (exchange.py, EffectCommitted). */
 #define REFUSED (TOKENS + 1)
+/* The answer when fence() found the key taken over (LeaseLost): 409 in progress, never kept. */
+#define TAKEN_OVER (TOKENS + 2)
 
 /* How the record's holder ended, as far as the windows' labels need it. */
 #define RUNNING 0
@@ -115,6 +126,8 @@ c_decl {
 byte clk;                                   /* the store's clock, and the workers' */
 byte st, tok, lease_end, expires, answer;   /* the key's record in the store */
 byte first_answer;                          /* the first answer written into this record */
+bit committed_at;                           /* SAME_DB: the record's own mark of the effect */
+bit probation;                              /* SAME_DB: committed_at negated (ON_PROBATION) */
 bit holder_alive;                           /* the worker of the record's token still runs */
 byte holder_fate;                           /* how it ended, if it did */
 byte effects;                               /* committed effects of the key */
@@ -144,7 +157,7 @@ bit f_same_outcome = 1;
 
 inline forget_record() {
   st = ABSENT; tok = 0; lease_end = 0; expires = 0; answer = 0; first_answer = 0;
-  holder_alive = 0; holder_fate = RUNNING
+  holder_alive = 0; holder_fate = RUNNING; committed_at = 0; probation = 0
 }
 
 /* A record that covered a landed effect is taken over or purged: the window that opens. */
@@ -174,10 +187,13 @@ inline claim_reads(t, out) {
 #endif
   :: else ->
      if
-     :: st == ABSENT || EXPIRED || (st == IN_PROGRESS && lease_end <= clk) -> out = ACQUIRED
+     :: st == ABSENT || EXPIRED || (st == IN_PROGRESS && lease_end <= clk && !committed_at) ->
+        out = ACQUIRED
      :: else ->
         if
         :: st == COMPLETED -> out = REPLAY
+        :: st == COMMITTED || (st == IN_PROGRESS && probation && lease_end <= clk) ->
+           out = COMMITTED_WITHOUT_RESPONSE     /* READ's orphaned, or settled so */
         :: else -> out = BUSY
         fi
      fi
@@ -191,11 +207,20 @@ inline claim_writes(t) {
   :: else ->
      record_goes();
      st = IN_PROGRESS; tok = t; lease_end = clk + LEASE; expires = clk + TTL;
-     answer = 0; first_answer = 0; holder_alive = 1; holder_fate = RUNNING
+     answer = 0; first_answer = 0; holder_alive = 1; holder_fate = RUNNING; committed_at = 0;
+     probation = 0
   fi
 }
 
 inline store_claim(t, out) {
+  /* PROBATION (statements.py, a claim's conditional UPDATE): a committed record whose lease
+     lapsed for the first time since its holder was heard from gets one more lease, and reads
+     as in progress; lapsed again, it is orphaned */
+  if
+  :: st == IN_PROGRESS && committed_at && !probation && lease_end <= clk && !EXPIRED ->
+     lease_end = clk + LEASE; probation = 1
+  :: else -> skip
+  fi;
   claim_reads(t, out);
   if
   :: out == ACQUIRED -> claim_writes(t)
@@ -229,7 +254,7 @@ inline store_renew(t, rv) {
      /* c: only the record's live holder keeps its lease going */
      c_lease_ends = (holder_alive && tok == t);
      assert(c_lease_ends);
-     lease_end = clk + LEASE; rv = OWNED_NOW
+     lease_end = clk + LEASE; probation = 0; rv = OWNED_NOW
   :: else -> rv = NOT_OWNED
   fi
 }
@@ -243,7 +268,7 @@ inline store_complete(t, a, ok) {
 #else
   :: OWNED(t) ->
 #endif
-     st = COMPLETED; answer = a; lease_end = clk; expires = clk + TTL;
+     st = COMPLETED; answer = a; lease_end = clk; expires = clk + TTL; probation = 0;
      if
      :: first_answer == 0 -> first_answer = a
      :: else -> skip
@@ -253,10 +278,12 @@ inline store_complete(t, a, ok) {
   fi
 }
 
-/* Store.release: MemoryStore.release; release.lua; RELEASE (statements.py). */
+/* Store.release: MemoryStore.release; release.lua; RELEASE (statements.py); SQLStore.release
+   settles a record whose effect was committed instead (RELEASE_COMMITTED). */
 inline store_release(t, ok) {
   if
-  :: OWNED(t) ->
+  :: OWNED(t) && committed_at -> st = COMMITTED; lease_end = clk; probation = 0; ok = 1
+  :: OWNED(t) && !committed_at ->
 #ifndef FENCED
      if
      :: effects > 0 && exposed == PROTECTED -> exposed = W_RELEASED
@@ -301,6 +328,7 @@ end: do
 
 /* A store that forgets everything at any moment: Redis restarted without persistence,
    FLUSHDB, a failover that lost the last writes. The app's database keeps its proofs. */
+#ifndef SAME_DB
 active proctype Forgetful() {
 end: do
   :: atomic {
@@ -316,10 +344,36 @@ end: do
      }
   od
 }
+#endif
+
+/* The effect's transaction commits: the effect and its proof together. */
+inline commits(t, a) {
+  a_one_fenced_effect = (effects == 0 || retained_until <= clk);
+  assert(a_one_fenced_effect);
+  effects++; retained_until = clk + TTL; committed = committed | (1 << t); a = t
+}
 
 /* The effect lands: the app's transaction commits (fenced), or a side effect happens. */
 inline lands(t, gen, a) {
-#ifdef FENCED
+#ifdef SAME_DB
+  /* fence(session) on the store's own database: FENCE marks this token's record committed
+     (KEY_IS, MINE) and keeps it a TTL from now; when it changed nothing, REFENCE writes the
+     record again if no record of the key is there; otherwise LeaseLost, and the transaction
+     rolls back (statements.py) */
+  if
+  :: st == IN_PROGRESS && tok == t ->
+     committed_at = 1; probation = 0;
+#ifndef BROKEN_FENCE_TTL
+     expires = clk + TTL;
+#endif
+     commits(t, a)
+  :: st == ABSENT ->
+     st = IN_PROGRESS; tok = t; lease_end = clk + LEASE; expires = clk + TTL;
+     answer = 0; first_answer = 0; holder_alive = 1; holder_fate = RUNNING; committed_at = 1;
+     commits(t, a)
+  :: else -> a = TAKEN_OVER
+  fi
+#elif defined(FENCED)
   /* fence(session) -> proofs.write_proof, in the effect's transaction: the upsert takes the
      row if it is free, expired or this token's own (_MINE_OR_FREE); otherwise
      EffectCommitted, the transaction rolls back, and the answer is the refusal. */
@@ -329,10 +383,7 @@ inline lands(t, gen, a) {
 #else
   :: ptok == 0 || ptok == t || pexp <= clk ->
 #endif
-     a_one_fenced_effect = (effects == 0 || retained_until <= clk);
-     assert(a_one_fenced_effect);
-     ptok = t; pexp = clk + TTL;
-     effects++; retained_until = clk + TTL; committed = committed | (1 << t); a = t
+     ptok = t; pexp = clk + TTL; commits(t, a)
   :: else -> a = REFUSED
   fi
 #else

@@ -25,9 +25,11 @@ async def app_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     await engine.dispose()
 
 
-async def fenced(store: SQLStore, engine: AsyncEngine, key: str, token: str) -> int:
+async def fenced(
+    store: SQLStore, engine: AsyncEngine, key: str, token: str, ttl: float = TTL
+) -> int:
     """Run the fence statement in a transaction of the application's; the rows it changed."""
-    statement, params = store.fence_statement("", key, token)
+    statement, params = store.fence_statement("", key, token, ttl)
     async with engine.begin() as conn:
         return int((await conn.execute(statement, params)).rowcount)
 
@@ -86,6 +88,20 @@ async def test_a_committed_record_runs_again_once_its_ttl_ends(
     sql_store: SQLStore, app_engine: AsyncEngine
 ) -> None:
     token = await acquire(sql_store, lease=0.1, ttl=0.3)
-    assert await fenced(sql_store, app_engine, "k", token) == 1
+    assert await fenced(sql_store, app_engine, "k", token, ttl=0.3) == 1
     await anyio.sleep(0.4)
     await acquire(sql_store)
+
+
+async def test_a_committed_record_is_kept_a_ttl_from_its_commit_not_from_its_claim(
+    sql_store: SQLStore, app_engine: AsyncEngine
+) -> None:
+    # The protocol's model found this (tests/model, -DSAME_DB): a record kept a TTL from its
+    # claim, fenced late in that TTL, expired soon after the effect committed; its worker died,
+    # and once the lease lapsed a retry took the key over and committed the effect again.
+    # Here the claim's TTL is short and the commit's long, as for a handler that fences late.
+    token = await acquire(sql_store, lease=0.2, ttl=0.3)
+    assert await fenced(sql_store, app_engine, "k", token, ttl=TTL) == 1
+    await anyio.sleep(0.4)  # the claim's TTL and its lease have passed; its worker is gone
+    retry = await sql_store.claim("", "k", "f", ttl=TTL, lease=30)
+    assert retry.outcome is ClaimOutcome.IN_PROGRESS  # on probation, never taken over

@@ -152,7 +152,7 @@ async def test_a_release_after_a_fenced_commit_is_reported() -> None:
         async with watching(store) as heard:
             claim = await store.claim("feed", "fenced", "f", ttl=60, lease=60)
             assert claim.token is not None
-            statement, params = store.fence_statement("feed", "fenced", claim.token)
+            statement, params = store.fence_statement("feed", "fenced", claim.token, 60)
             async with engine.begin() as conn:
                 assert (await conn.execute(statement, params)).rowcount == 1
             assert await store.release("feed", "fenced", claim.token)

@@ -220,8 +220,14 @@ SETTLING = {
 SILENT = Settling(COMPLETE, RELEASE, RELEASE_COMMITTED)
 
 #: A fenced commit: inside the application's own transaction, this request's claim (still in
-#: progress under its token) marks its effect as committed.
-FENCE = update(records).where(KEY_IS, MINE).values(committed_at=NOW)
+#: progress under its token) marks its effect as committed, and keeps the record a TTL from
+#: the commit, as a proof of the proof table lives: kept from its claim, a record fenced late in
+#: its TTL would expire, and be taken over, soon after the effect committed.
+FENCE = (
+    update(records)
+    .where(KEY_IS, MINE)
+    .values(committed_at=NOW, expires_at=NOW + bindparam("p_ttl_ms", type_=BigInteger))
+)
 _REFENCED = {**NEW_RECORD, "committed_at": NOW}
 #: A fenced commit whose claim's record is gone (a claim not flushed before a crash, a record
 #: purged): the record written again as this token's, its effect committed, unless any record

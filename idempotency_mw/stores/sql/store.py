@@ -240,12 +240,12 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         )
 
     def fence_statement(
-        self, scope: str, key: str, token: str
+        self, scope: str, key: str, token: str, ttl: float
     ) -> tuple[Executable, dict[str, Any]]:
         """The statement (and its parameters) that marks a claim's effect committed, to run in
-        the application's own transaction; it changes one row while the token still holds the
-        claim, none otherwise."""
-        return FENCE, {**_record_of(scope, key), "p_token": token}
+        the application's own transaction, and keeps its record ``ttl`` seconds from then; it
+        changes one row while the token still holds the claim, none otherwise."""
+        return FENCE, {**_record_of(scope, key), "p_token": token, "p_ttl_ms": int(ttl * 1000)}
 
     def refence_statement(self, claim: CurrentClaim) -> tuple[Executable, dict[str, Any]]:
         """The statement to run in the same transaction when :meth:`fence_statement` changed
