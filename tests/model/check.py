@@ -1,7 +1,7 @@
 """Check the protocol's model (``lifecycle.pml``) with spin: generate the verifier, compile it,
 search the whole state space, and read what pan reports.
 
-``python -m tests.model.check`` checks both configurations and prints, for each, the states,
+``python -m tests.model.check`` checks every configuration and prints, for each, the states,
 depth and time of the search, then the windows of the unfenced one as the docs' table rows;
 ``python -m tests.model.check -DBROKEN_COMPLETE`` checks a variant (any ``-D`` of the model).
 """
