@@ -50,6 +50,7 @@ EXTRA_OF_MODULE = {
     "alembic": "sql",
     "redis": "redis",
     "uvicorn": "panel",
+    "jinja2": "panel",
     "httpx": "client",
 }
 DEFAULT_TIMEOUT = 30.0

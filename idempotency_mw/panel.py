@@ -6,40 +6,32 @@ each action (release a stuck key; retry an operation now; mark one confirmed or 
 note) goes through a confirmation page whose form carries a proof that only this panel can
 make, so a request that skipped the page (or came from another site) changes nothing. Every
 action is logged on the ``idempotency_mw.panel`` logger. Pages are plain HTML rendered on the
-server, with no script.
+server from the package's Jinja2 templates (``templates/panel``), with no script.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import html
 import logging
 import secrets
-import string
 from collections.abc import Awaitable, Callable, Iterable
-from datetime import datetime
-from importlib.resources import files
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs
 
 import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
-from idempotency_mw.admin import (
-    RecordView,
-    ReleaseOutcome,
-    StoreStats,
-    relative_time,
-    release_record,
-)
-from idempotency_mw.exceptions import ConfigurationError, StoreError, describe
+from idempotency_mw.admin import RecordView, ReleaseOutcome, relative_time, release_record
+from idempotency_mw.exceptions import ConfigurationError, StoreError, describe, install_extra
 from idempotency_mw.records import RecordStatus
 
 if TYPE_CHECKING:
+    from starlette.templating import Jinja2Templates
+
     from idempotency_mw.admin import InspectableStore
     from idempotency_mw.client import IdempotentClient, Journal, JournalEntry
     from idempotency_mw.client.attention import AttentionRow
@@ -49,9 +41,6 @@ __all__ = ["panel"]
 T = TypeVar("T")
 logger = logging.getLogger("idempotency_mw.panel")
 
-_PAGE = string.Template(
-    (files("idempotency_mw") / "panel_templates" / "page.html").read_text(encoding="utf-8")
-)
 #: Request headers whose values the panel never shows.
 _SECRET_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization", "x-api-key"})
 #: Pages are never framed by another site (a click on a confirmation page is the operator's),
@@ -97,7 +86,8 @@ def panel(
     ``client``, an :class:`~idempotency_mw.client.IdempotentClient` on ``journal`` with your
     base URL, credentials and probes, is what "retry now" sends with; without one the panel
     offers no retry. ``actions=True`` switches the actions on. Lists show at most ``limit``
-    records each. The panel never closes the store, the journal or the client.
+    records each. The panel never closes the store, the journal or the client. It needs the
+    ``panel`` extra (Jinja2): without it, a :class:`ModuleNotFoundError` names the extra.
     """
     view = _Panel(store, journal, client, actions=actions, limit=limit)
     return Starlette(
@@ -118,65 +108,6 @@ def panel(
         ],
         exception_handlers={_Refused: view.refused},
     )
-
-
-def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _when(moment: datetime | None, now: datetime) -> str:
-    if moment is None:
-        return "-"
-    return f'<span title="{moment:%Y-%m-%d %H:%M:%S} UTC">{relative_time(moment, now)}</span>'
-
-
-def _table(header: Iterable[str], rows: list[list[str]], empty: str) -> str:
-    """A table of cells that are HTML already (escape what goes into them)."""
-    if not rows:
-        return f'<p class="empty">{_e(empty)}</p>'
-    head = "".join(f"<th>{_e(name)}</th>" for name in header)
-    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _shown(data: bytes | None) -> str:
-    if data is None:
-        return '<p class="muted">none</p>'
-    text = data[:_MAX_SHOWN].decode("utf-8", "replace")
-    more = f"\n… {len(data) - _MAX_SHOWN:,} more bytes" if len(data) > _MAX_SHOWN else ""
-    return f"<pre>{_e(text + more)}</pre>"
-
-
-def _headers(headers: Iterable[tuple[str, str]]) -> str:
-    lines = [
-        f"{name}: {'(hidden)' if name.lower() in _SECRET_HEADERS else value}"
-        for name, value in headers
-    ]
-    return f"<pre>{_e(chr(10).join(lines))}</pre>" if lines else '<p class="muted">none</p>'
-
-
-def _record_name(record: RecordView) -> str:
-    if record.key is None:
-        return f'<code>{_e(record.ref)}</code> <span class="muted">(scope and key: a digest)</span>'
-    scope = f' <span class="muted">in scope</span> <code>{_e(record.scope)}</code>'
-    return f"<code>{_e(record.key)}</code>{scope if record.scope else ''}"
-
-
-def _status(record: RecordView) -> str:
-    badges = [f'<span class="badge">{_e(record.status)}</span>']
-    if record.fenced:
-        badges.append('<span class="badge">effect committed</span>')
-    if record.stuck:
-        badges.append('<span class="badge warn">stuck: lease lapsed</span>')
-    if record.expired:
-        badges.append('<span class="badge">expired</span>')
-    return " ".join(badges)
-
-
-def _response(record: RecordView) -> str:
-    if record.response_status is None:
-        return "-"
-    return f"{record.response_status}, {record.response_size or 0:,} bytes"
 
 
 class _Panel:
@@ -207,6 +138,7 @@ class _Panel:
         self._limit = limit
         # The proof that a form came from this panel's own confirmation page.
         self._secret = secrets.token_bytes(32)
+        self._templates = _templates()
 
     # --- pages ------------------------------------------------------------------------------
 
@@ -221,24 +153,20 @@ class _Panel:
             if status is RecordStatus.IN_PROGRESS
             else await self._store_call(lambda: self._store.list_records(status, limit=self._limit))
         )
-        stuck = [record for record in in_progress if record.stuck]
-        body = [
-            "<h1>Overview</h1>",
-            self._stats(stats),
-            '<section id="stuck"><h2>Stuck in progress past their lease</h2>',
-            '<p class="muted">Each answers 409 until a retry with the same request takes it over '
-            "or it is released; releasing one lets its next request run again.</p>",
-            self._records(request, stuck, empty="No key is stuck.", release=True),
-            "</section>",
-            f'<section id="records"><h2>Records: {_e(status)}</h2>',
-            self._tabs(request, status),
-            self._records(request, listed, empty=f"No record is {status}.", release=False),
-            f'<p class="muted">At most {self._limit} shown, the earliest lease end first.</p>',
-            "</section>",
-        ]
+        attention = None
         if self._journal is not None:
-            body.append(await self._attention(request))
-        return self._page(request, "Overview", "".join(body))
+            attention = [row for row, _ in (await self._needing_attention())[: self._limit]]
+        return self._render(
+            request,
+            "overview.html",
+            stats=stats,
+            stuck=[record for record in in_progress if record.stuck],
+            status=status,
+            statuses=list(RecordStatus),
+            listed=listed,
+            limit=self._limit,
+            attention=attention,
+        )
 
     async def confirm_release(self, request: Request) -> Response:
         ref, version = _required(request.query_params, "ref", "version")
@@ -247,21 +175,8 @@ class _Panel:
             raise _Refused("The record changed since it was listed: nothing changed.", 409)
         if not record.releasable:
             raise _Refused(_NOT_RELEASABLE, 409)
-        body = [
-            "<h1>Release this key?</h1>",
-            "<section>",
-            self._details(record),
-            "<p>Its next request will run the handler again. A request that settles it "
-            "meanwhile is never undone.</p>",
-            self._confirm_form(
-                request.url_for("release"),
-                {"ref": ref, "version": version},
-                proof_of=("release", ref, version),
-                yes="Release",
-            ),
-            "</section>",
-        ]
-        return self._page(request, "Release", "".join(body))
+        proof = self._proof(("release", ref, version))
+        return self._render(request, "release.html", record=record, proof=proof)
 
     async def release(self, request: Request) -> Response:
         form = await self._form(request)
@@ -289,61 +204,25 @@ class _Panel:
 
     async def operation(self, request: Request) -> Response:
         row, entry = await self._entry(request.path_params["digest"])
-        body = [
-            f"<h1>Operation {_e(entry.name)}</h1>",
-            "<section>",
-            "<dl>",
-            f'<dt>state</dt><dd><span class="badge warn">{_e(entry.state)}</span></dd>',
-            f"<dt>ref</dt><dd>{_e(entry.ref or '-')}</dd>",
-            f"<dt>key digest</dt><dd><code>{_e(row.key)}</code></dd>",
-            f"<dt>first sent (UTC)</dt><dd>{_e(row.first_sent or '-')}</dd>",
-            "</dl>",
-            "<h2>Request</h2>",
-            f"<p><code>{_e(entry.method or '-')} {_e(entry.url or '')}</code></p>",
-            _headers(entry.headers),
-            _shown(entry.body),
-            "<h2>Last answer</h2>",
-            f"<p>HTTP {_e(entry.status)}</p>" if entry.status is not None else "",
-            _headers(entry.response_headers),
-            _shown(entry.response_body),
-        ]
-        if self._actions:
-            links = [
-                '<a class="button plain" href="'
-                f'{_e(request.url_for("confirm_operation", digest=row.key, action=action))}">'
-                f"{_e(label)}</a>"
-                for action, label in _JOURNAL_ACTIONS.items()
-                if action != "retry" or self._client is not None
-            ]
-            body.append(f'<div class="actions">{"".join(links)}</div>')
-        body.append("</section>")
-        return self._page(request, entry.name, "".join(body))
+        offered = {
+            action: label
+            for action, label in _JOURNAL_ACTIONS.items()
+            if action != "retry" or self._client is not None
+        }
+        return self._render(request, "operation.html", row=row, entry=entry, offered=offered)
 
     async def confirm_operation(self, request: Request) -> Response:
         digest, action = request.path_params["digest"], self._action(request)
         _, entry = await self._entry(digest)
-        what = {
-            "retry": "Send it again now, under its key, with the client's rules?",
-            "confirmed": "Mark it confirmed: it took effect, and it is never sent again?",
-            "failed": (
-                "Mark it failed: settled as refused (undo any effect it had yourself), and it "
-                "is never sent again?"
-            ),
-        }[action]
-        fields = {} if action == "retry" else {"note": ""}
-        body = [
-            f"<h1>{_e(_JOURNAL_ACTIONS[action])}: {_e(entry.name)}</h1>",
-            "<section>",
-            f"<p>{_e(what)}</p>",
-            self._confirm_form(
-                request.url_for("act_on_operation", digest=digest, action=action),
-                fields,
-                proof_of=(action, digest),
-                yes=_JOURNAL_ACTIONS[action],
-            ),
-            "</section>",
-        ]
-        return self._page(request, "Confirm", "".join(body))
+        return self._render(
+            request,
+            "confirm.html",
+            entry=entry,
+            digest=digest,
+            action=action,
+            label=_JOURNAL_ACTIONS[action],
+            proof=self._proof((action, digest)),
+        )
 
     async def act_on_operation(self, request: Request) -> Response:
         digest, action = request.path_params["digest"], self._action(request)
@@ -374,133 +253,16 @@ class _Panel:
         assert isinstance(exc, _Refused)
         return self._result(request, "warn", str(exc), exc.status_code)
 
-    # --- parts ------------------------------------------------------------------------------
-
-    def _stats(self, stats: StoreStats) -> str:
-        counts: list[tuple[str, int | None]] = [
-            (str(status).replace("_", " "), count) for status, count in stats.by_status.items()
-        ]
-        counts += [
-            ("fenced (effect committed)", stats.fenced),
-            ("expired, awaiting the purge", stats.expired),
-        ]
-        tiles = "".join(
-            f'<div class="tile"><b>{"-" if count is None else f"{count:,}"}</b>'
-            f"<span>{_e(label)}</span></div>"
-            for label, count in counts
+    def _render(
+        self, request: Request, template: str, status_code: int = 200, **context: Any
+    ) -> Response:
+        context.update(store=repr(self._store), actions=self._actions)
+        return self._templates.TemplateResponse(
+            request, template, context, status_code=status_code, headers=_HEADERS
         )
-        size = "" if stats.size_bytes is None else f"; {stats.size_bytes:,} bytes"
-        return (
-            f'<section id="stats"><h2>Records by status</h2><div class="tiles">{tiles}</div>'
-            f'<p class="muted">{stats.total:,} records in all{size}; '
-            f"store clock {stats.now:%Y-%m-%d %H:%M:%S} UTC.</p></section>"
-        )
-
-    def _tabs(self, request: Request, current: RecordStatus) -> str:
-        links = [
-            f'<a class="{"on" if status is current else ""}" '
-            f'href="{_e(request.url_for("home"))}?{urlencode({"status": status.value})}">'
-            f"{_e(status)}</a>"
-            for status in RecordStatus
-        ]
-        return f'<nav class="tabs">{"".join(links)}</nav>'
-
-    def _records(
-        self, request: Request, records: list[RecordView], *, empty: str, release: bool
-    ) -> str:
-        header = ["record", "status", "lease", "expires", "response"]
-        if release and self._actions:
-            header.append("")
-        rows = []
-        for record in records:
-            row = [
-                _record_name(record),
-                _status(record),
-                _when(record.lease_expires_at, record.now),
-                _when(record.expires_at, record.now),
-                _response(record),
-            ]
-            if release and self._actions and not record.releasable:
-                # As the CLI refuses it: a retry would run a committed effect again.
-                row.append('<span class="muted">effect committed</span>')
-            elif release and self._actions:
-                query = urlencode({"ref": record.ref, "version": record.version})
-                url = f"{request.url_for('confirm_release')}?{query}"
-                row.append(f'<a class="button plain" href="{_e(url)}">Release…</a>')
-            rows.append(row)
-        return _table(header, rows, empty)
-
-    def _details(self, record: RecordView) -> str:
-        rows = [
-            ("record", _record_name(record)),
-            ("status", _status(record)),
-            ("request hash", f"<code>{_e(record.request_hash)}</code>"),
-            ("created", _when(record.created_at, record.now)),
-            ("lease", _when(record.lease_expires_at, record.now)),
-            ("expires", _when(record.expires_at, record.now)),
-            ("response", _e(_response(record))),
-        ]
-        return "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in rows) + "</dl>"
-
-    async def _attention(self, request: Request) -> str:
-        rows = [
-            [
-                f'<span class="badge warn">{_e(row.state)}</span>',
-                _e(row.name),
-                _e(row.ref or "-"),
-                _e(row.status or "-"),
-                _e(row.first_sent or "-"),
-                '<a class="button plain" '
-                f'href="{_e(request.url_for("operation", digest=row.key))}">open</a>',
-            ]
-            for row, _ in (await self._needing_attention())[: self._limit]
-        ]
-        header = ["state", "operation", "ref", "last status", "first sent (UTC)", ""]
-        return (
-            '<section id="attention"><h2>Operations that need attention</h2>'
-            + _table(header, rows, "No operation needs attention.")
-            + "</section>"
-        )
-
-    def _confirm_form(
-        self, action: Any, fields: dict[str, str], *, proof_of: tuple[str, ...], yes: str
-    ) -> str:
-        if not self._actions:
-            return '<p class="notice warn">The panel is read-only: actions are switched off.</p>'
-        hidden = "".join(
-            f'<input type="hidden" name="{_e(name)}" value="{_e(value)}">'
-            for name, value in fields.items()
-            if name != "note"
-        )
-        note = (
-            '<p><label for="note">Note (journaled with it)</label>'
-            '<textarea id="note" name="note" required></textarea></p>'
-            if "note" in fields
-            else ""
-        )
-        return (
-            f'<form method="post" action="{_e(action)}">{hidden}'
-            f'<input type="hidden" name="proof" value="{self._proof(proof_of)}">{note}'
-            '<div class="actions">'
-            f'<button class="danger" type="submit" name="decision" value="yes">{_e(yes)}</button>'
-            '<button class="plain" type="submit" name="decision" value="no">Cancel</button>'
-            "</div></form>"
-        )
-
-    def _page(self, request: Request, title: str, body: str, status_code: int = 200) -> Response:
-        page = _PAGE.substitute(
-            title=_e(title),
-            home=_e(request.url_for("home")),
-            store=_e(repr(self._store)),
-            mode="actions on" if self._actions else "read-only",
-            body=body,
-        )
-        return HTMLResponse(page, status_code=status_code, headers=_HEADERS)
 
     def _result(self, request: Request, kind: str, message: str, status_code: int) -> Response:
-        back = f'<p><a class="button plain" href="{_e(request.url_for("home"))}">Back</a></p>'
-        body = f'<div class="notice {kind}">{_e(message)}</div>{back}'
-        return self._page(request, "Done" if kind == "ok" else "Nothing changed", body, status_code)
+        return self._render(request, "result.html", status_code, kind=kind, message=message)
 
     # --- checks and calls -------------------------------------------------------------------
 
@@ -517,7 +279,8 @@ class _Panel:
             raise _Refused("Cancelled: nothing changed.", 200)
 
     async def _form(self, request: Request) -> dict[str, str]:
-        # Parsed here (urlencoded only): the panel needs no multipart parser.
+        # Starlette's request.form() needs python-multipart even for urlencoded forms, and caps
+        # each field rather than the body: the body read up to a cap, then the stdlib's parser.
         body = b""
         async for chunk in request.stream():
             body += chunk
@@ -600,6 +363,41 @@ async def _journal_call(call: Callable[..., T], *args: Any) -> T:
         # Journals raise their drivers' errors as they are (SQLAlchemy's, redis-py's): a page
         # that says the journal failed, never a 500.
         raise _Refused(f"The journal failed: {describe(exc)}", 503) from exc
+
+
+def _templates() -> Jinja2Templates:
+    """The panel's pages, escaped as HTML; a clear error without the [panel] extra."""
+    try:
+        import jinja2
+        from starlette.templating import Jinja2Templates
+    except ImportError as exc:
+        message = f"the panel needs jinja2: {install_extra('panel')}"
+        raise ModuleNotFoundError(message, name="jinja2") from exc
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("idempotency_mw", "templates/panel"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.globals["relative_time"] = relative_time
+    env.filters.update(thousands="{:,}".format, redacted=_redacted, excerpt=_excerpt)
+    return Jinja2Templates(env=env)
+
+
+def _redacted(headers: Iterable[tuple[str, str]]) -> list[str]:
+    """Header lines to show, the values of credentials hidden."""
+    return [
+        f"{name}: {'(hidden)' if name.lower() in _SECRET_HEADERS else value}"
+        for name, value in headers
+    ]
+
+
+def _excerpt(data: bytes) -> str:
+    """A body as text, cut at :data:`_MAX_SHOWN` bytes."""
+    text = data[:_MAX_SHOWN].decode("utf-8", "replace")
+    more = f"\n… {len(data) - _MAX_SHOWN:,} more bytes" if len(data) > _MAX_SHOWN else ""
+    return text + more
 
 
 def _status_of(value: str) -> RecordStatus:

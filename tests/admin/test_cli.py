@@ -602,3 +602,17 @@ def test_the_panel_refuses_a_missing_store_or_journal_in_one_line(
     journal = tmp_path / "typo.sqlite3"
     assert main(["panel", "--store", REDIS_URL, "--journal", str(journal)]) == 2
     assert _one_line(capsys.readouterr().err) == f"idempotency-mw: no journal file at {journal}"
+
+
+def test_the_panel_without_jinja2_names_the_extra_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    assert main(["migrate", "--url", url]) == 0
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "jinja2", None)  # as if it were not installed
+    assert main(["panel", "--store", url]) == 2
+    assert _one_line(capsys.readouterr().err) == (
+        "idempotency-mw: this needs jinja2: install the [panel] extra "
+        "(pip install 'idempotency-mw[panel]', or from a checkout: pip install -e '.[panel]')"
+    )

@@ -178,7 +178,9 @@ async def test_a_key_whose_effect_was_committed_is_never_offered_for_release(
     async with http_on(panel(store, actions=True)) as http:
         page = (await http.get("/ops/")).text
         (stuck_part,) = re.findall(r'id="stuck">.*?</section>', page, re.S)
-        (committed,) = [row for row in re.findall(r"<tr>.*?</tr>", stuck_part) if "order-17" in row]
+        (committed,) = [
+            row for row in re.findall(r"<tr>.*?</tr>", stuck_part, re.S) if "order-17" in row
+        ]
         assert "effect committed" in committed
         assert "/release" not in committed
         assert len(links(page, "/release")) == 1  # order-23's, stuck before its effect
@@ -312,6 +314,14 @@ def test_a_store_it_cannot_inspect_or_a_bad_limit_is_refused_at_once() -> None:
         panel(Opaque())  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="limit"):
         panel(MemoryStore(), limit=0)
+
+
+def test_without_jinja2_the_panel_names_the_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "jinja2", None)  # as if it were not installed
+    with pytest.raises(ModuleNotFoundError, match=r"needs jinja2: install the \[panel\] extra"):
+        panel(MemoryStore())
 
 
 async def test_a_store_that_fails_is_a_503_page() -> None:

@@ -33,7 +33,7 @@ from tests.support.readme import README, ROOT, Block, blocks, commands, marked, 
 from tests.support.warm import WarmPython
 
 #: The extras the blocks need, and the framework and server the package leaves to its user.
-EXTRAS = "postgresql,mysql,redis,client,prometheus,otel,mcp,example"
+EXTRAS = "postgresql,mysql,redis,client,prometheus,otel,mcp,example,panel"
 #: What pages use beside the package: the SDKs whose calls they show a key for.
 PAGE_PACKAGES = ("openai", "anthropic")
 #: What most pages import, imported once by the python the pages run in.

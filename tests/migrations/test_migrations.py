@@ -645,7 +645,7 @@ def test_application_alembic_project_includes_the_packaged_revisions(
 # --- the wheel ----------------------------------------------------------------------------------
 
 
-def test_wheel_ships_the_migrations_and_the_lua_scripts(built_wheel: Path) -> None:
+def test_wheel_ships_the_migrations_the_lua_scripts_and_the_templates(built_wheel: Path) -> None:
     with zipfile.ZipFile(built_wheel) as archive:
         names = set(archive.namelist())
     assert "idempotency_mw/migrations/env.py" in names
@@ -653,6 +653,10 @@ def test_wheel_ships_the_migrations_and_the_lua_scripts(built_wheel: Path) -> No
     assert "idempotency_mw/stores/sql/schema.py" in names
     scripts = ("prelude", "claim", "renew", "complete", "release")
     assert {f"idempotency_mw/stores/redis/lua/{name}.lua" for name in scripts} <= names
+    templates = (REPO_ROOT / "idempotency_mw" / "templates" / "panel").glob("*.html")
+    shipped = {f"idempotency_mw/templates/panel/{template.name}" for template in templates}
+    assert "idempotency_mw/templates/panel/base.html" in shipped
+    assert shipped <= names
 
 
 def test_cli_from_the_wheel_migrates(built_wheel: Path, tmp_path: Path) -> None:
