@@ -41,6 +41,7 @@ async def fill(url: str, expired: int, live: int) -> None:
             "response_status": 201,
             "response_headers": b"",
             "result_payload": b'{"id": 1}',
+            "caller_binding": "",
         }
         for i in range(expired + live)
     ]

@@ -55,6 +55,7 @@ COLUMNS = (
     "response_status",
     "response_headers",
     "result_payload",
+    "caller_binding",
 )
 FINGERPRINT = "0" * 64
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id": "abc"}')
@@ -76,6 +77,7 @@ def bulk_rows(start: int, stop: int) -> Iterator[tuple[Any, ...]]:
             201,
             b"",
             b'{"id": "bulk"}',
+            "",
         )
 
 

@@ -176,8 +176,8 @@ async def test_two_key_headers_are_rejected(store: Store) -> None:
     assert problem_type(response).endswith("invalid-key")
 
 
-def test_the_request_fingerprint_is_the_one_earlier_versions_stored() -> None:
-    # Records written by earlier versions hold this digest: another would make their repeats
+def test_the_request_fingerprint_stays_the_one_stored_records_hold() -> None:
+    # Records stored before an upgrade hold this digest: another would make their repeats
     # mismatches.
     fingerprint = request_fingerprint(
         "POST",

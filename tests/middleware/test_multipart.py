@@ -191,7 +191,7 @@ def test_a_malformed_form_enters_as_bytes(content_type: str, body: bytes) -> Non
     "content_type", ["application/json", "application/x-www-form-urlencoded", "multipart/mixed"]
 )
 def test_other_content_types_keep_the_bytes_digest(content_type: str) -> None:
-    # The digest without a content type is the one earlier versions stored (pinned in
+    # The digest without a content type is the one stored records hold (pinned in
     # tests/middleware/test_middleware.py); no other content type changes it.
     body = b'{"sku": "A-1"}'
     assert fingerprint(content_type, body) == fingerprint("", body)

@@ -220,10 +220,8 @@ def test_alembic_offline_mode_renders_the_ddl(url: str, expected: list[str]) -> 
     sql = result.stdout
     assert "CREATE TABLE idempotency_records" in sql
     assert f"CREATE INDEX {INDEX_NAME} ON idempotency_records (expires_at)" in sql
-    # The first revision inserts the version row; each later one moves it to the head.
-    assert f"INSERT INTO {VERSION_TABLE} (version_num) VALUES ('0001_idempotency_records')" in sql
-    assert f"SET version_num='{SCHEMA_REVISION}'" in sql
-    assert "ADD COLUMN caller_binding" in sql
+    assert f"INSERT INTO {VERSION_TABLE} (version_num) VALUES ('{SCHEMA_REVISION}')" in sql
+    assert "caller_binding VARCHAR(64) NOT NULL" in sql
     for fragment in expected:
         assert fragment in sql
     assert not (REPO_ROOT / "unused.db").exists()
@@ -329,67 +327,6 @@ def test_workers_migrating_a_fresh_database_at_once_all_succeed(fresh_database: 
     errors = [worker.communicate(timeout=120)[1] for worker in workers]
     assert [worker.returncode for worker in workers] == [0] * 4, errors
     assert _on_connection(fresh_database, _snapshot).versions == [SCHEMA_REVISION]
-
-
-def test_revision_0002_keeps_live_rows_both_ways(fresh_database: str) -> None:
-    url = fresh_database
-    assert main(["migrate", "--url", url, "--revision", "0001_idempotency_records"]) == 0
-    rows = [
-        ("in-progress", "in_progress", None),
-        ("completed", "completed", 201),
-    ]
-    _on_connection(
-        url,
-        lambda conn: [
-            conn.execute(
-                text(
-                    "INSERT INTO idempotency_records (scope, " + _quoted_key(url) + ", "
-                    "request_hash, status, token, created_at, lease_expires_at, expires_at, "
-                    "response_status, response_headers, result_payload) VALUES "
-                    "('', :key, 'f', :status, 't', 1, 2, 9999999999999, :code, :headers, :body)"
-                ),
-                {"key": key, "status": status, "code": code, "headers": b"", "body": b"{}"},
-            )
-            for key, status, code in rows
-        ],
-    )
-    assert main(["migrate", "--url", url]) == 0
-    upgraded = _on_connection(url, _rows)
-    assert upgraded == {
-        "in-progress": ("in_progress", None, None),
-        "completed": ("completed", None, None),
-    }
-    _on_connection(
-        url,
-        lambda conn: conn.execute(
-            text("UPDATE idempotency_records SET status = 'committed', committed_at = 5")
-        ),
-    )
-    assert main(["downgrade", "--url", url, "--revision", "0001_idempotency_records"]) == 0
-    downgraded: dict[str, int] = _on_connection(
-        url,
-        lambda conn: dict(
-            conn.execute(
-                text("SELECT status, count(*) FROM idempotency_records GROUP BY status")
-            ).all()
-        ),
-    )
-    # A record that took effect without a response never runs again under 0001 either.
-    assert downgraded == {"unreplayable": 2}
-
-
-def _quoted_key(url: str) -> str:
-    return "`key`" if _dialect(url) == "mysql" else '"key"'
-
-
-def _rows(conn: Connection) -> dict[str, tuple[Any, ...]]:
-    result = conn.execute(
-        text(
-            "SELECT " + _quoted_key(str(conn.engine.url)) + ", status, caller_binding, "
-            "committed_at FROM idempotency_records"
-        )
-    )
-    return {str(row[0]): tuple(row[1:]) for row in result}
 
 
 def test_cli_migrate_to_an_explicit_revision(tmp_path: Path) -> None:

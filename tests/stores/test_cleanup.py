@@ -47,6 +47,7 @@ async def fill(engine: AsyncEngine, *, expired: int, live: int) -> None:
             "response_status": 200,
             "response_headers": b"",
             "result_payload": b"{}",
+            "caller_binding": "",
         }
 
     rows = [row(f"old-{i}", "completed", now - hour, now - hour) for i in range(expired)]

@@ -214,7 +214,7 @@ def create_app(
     if "RELIABILITY_ON_LEASE_LOST" in env:
         options.setdefault("on_lease_lost", env["RELIABILITY_ON_LEASE_LOST"])
     if "RELIABILITY_POLL_CAP" in env:
-        # With a settlement feed and without (the latter is all an older version knows).
+        # With a settlement feed and without.
         waiting._LAST_POLL = waiting._LAST_POLL_FED = float(env["RELIABILITY_POLL_CAP"])
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, lease=lease, scope=caller_of, **options)

@@ -34,6 +34,8 @@ def upgrade() -> None:
         sa.Column("response_status", sa.Integer(), nullable=True),
         sa.Column("response_headers", _bytes, nullable=True),
         sa.Column("result_payload", _bytes, nullable=True),
+        sa.Column("caller_binding", sa.String(64), nullable=False),
+        sa.Column("committed_at", sa.BigInteger(), nullable=True),
         sa.PrimaryKeyConstraint("scope", "key", name="pk_idempotency_records"),
     )
     op.create_index("ix_idempotency_records_expires_at", "idempotency_records", ["expires_at"])

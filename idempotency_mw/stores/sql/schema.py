@@ -20,7 +20,7 @@ from idempotency_mw.exceptions import SchemaError
 
 TABLE_NAME = "idempotency_records"
 #: The Alembic revision that creates the table as this module describes it.
-SCHEMA_REVISION = "0002_binding_and_commit"
+SCHEMA_REVISION = "0001_idempotency_records"
 
 metadata = MetaData(
     naming_convention={
@@ -44,8 +44,8 @@ records = Table(
     Column("response_status", Integer, nullable=True),
     Column("response_headers", LongBinary, nullable=True),
     Column("result_payload", LongBinary, nullable=True),
-    # A digest of the credentials the record is bound to ('' for none; NULL in rows from 0001).
-    Column("caller_binding", String(64), nullable=True),
+    # A digest of the credentials the record is bound to ('' for none).
+    Column("caller_binding", String(64), nullable=False),
     # When a fenced commit marked the handler's effect as done (NULL: not marked).
     Column("committed_at", BigInteger, nullable=True),
     PrimaryKeyConstraint("scope", "key"),

@@ -76,8 +76,8 @@ EXPIRED = and_(
 )
 #: Still in progress under this token, and not yet as good as absent.
 OWNED = and_(KEY_IS, MINE, not_(EXPIRED))
-#: The credentials the record is bound to ('' for none; rows from revision 0001 hold NULL).
-BINDING = func.coalesce(records.c.caller_binding, "")
+#: The credentials the record is bound to ('' for none).
+BINDING = records.c.caller_binding
 #: Expired (any request may take it), or the same request's lease lapsed before it committed
 #: an effect.
 CAN_TAKE_OVER = or_(
