@@ -131,6 +131,24 @@ async def test_the_overview_shows_the_store_and_the_journal(journal: SQLiteJourn
         assert "Mark failed" not in shown
 
 
+async def test_what_the_store_and_the_journal_hold_is_shown_as_text(
+    journal: SQLiteJournal,
+) -> None:
+    markup = "<script>alert(1)</script>"
+    store = MemoryStore()
+    await stuck(store, markup, scope=f'"{markup}')
+    needing_a_person(journal, "k-markup", markup, url=f"http://api.test/{markup}")
+    async with http_on(panel(store, journal=journal, actions=True)) as http:
+        pages = [(await http.get("/ops/")).text]
+        (operation,) = links(pages[0], "/operations/")
+        pages.append((await http.get(operation)).text)
+        (confirm,) = links(pages[0], "/release")
+        pages.append((await http.get(confirm)).text)
+    for page in pages:
+        assert "<script" not in page
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
 async def test_a_release_runs_only_once_confirmed_on_its_page() -> None:
     store = MemoryStore()
     await stuck(store, "order-17")
