@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 
-from starlette.exceptions import HTTPException
-from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw._asgi import ReplayReceive, ResponseRecorder, send_replay
+from idempotency_mw.caller import caller_scope, credential_binding, scope_failed
 from idempotency_mw.door import ENDPOINT, ROUTE
 from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, Hold, LeaseUnproven
 from idempotency_mw.exceptions import EffectCommitted, LeaseLost, StoreError
@@ -21,12 +19,13 @@ from idempotency_mw.fence import (
     current_claim,
     current_entrance,
 )
-from idempotency_mw.fingerprint import credential_digest, request_fingerprint
+from idempotency_mw.fingerprint import request_fingerprint
 from idempotency_mw.metrics import EventKind
 from idempotency_mw.options import Options
 from idempotency_mw.policy import Settings
-from idempotency_mw.problems import Problem, send_http_problem, send_problem
+from idempotency_mw.problems import Problem, send_problem
 from idempotency_mw.records import Claim, ClaimOutcome
+from idempotency_mw.retention import KeyAnswers
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -79,7 +78,7 @@ class Exchange:
         engine: ClaimEngine,
         scope: Scope,
         receive: Receive,
-        send: Send,
+        answers: KeyAnswers,
         headers: dict[str, list[str]],
         key: str,
         template: str,
@@ -90,7 +89,9 @@ class Exchange:
         self.engine = engine
         self.scope = scope
         self.receive = receive
-        self.send = send
+        #: Every answer goes out through it, which says what it means for the key.
+        self.answers = answers
+        self.send = answers.send
         self.headers = headers
         self.key = key
         self.template = template
@@ -128,11 +129,11 @@ class Exchange:
         body = await self._read_body()
         if body is None:
             return
-        caller = await self._caller_scope()
+        caller = await caller_scope(self.options, self.scope, self.send)
         if caller is None:
             return
         self._caller = caller
-        self._binding = self._credential_binding()
+        self._binding = credential_binding(self.options, self.scope, self.headers)
         self._fingerprint = self._request_fingerprint(body)
         scoped = self.settings.scoped
         if scoped and doors != ENDPOINT:
@@ -322,7 +323,24 @@ class Exchange:
             )
             return None
         if claim.outcome is ClaimOutcome.ACQUIRED:
+            assert claim.token is not None
+            if self.answers.refuses(self.settings.ttl):
+                # No record was found: the caller's may have been purged. The claim goes.
+                await call.release(claim.token)
+                self.answers.reject()
+                await send_problem(
+                    self.send,
+                    Problem.EXPIRED_KEY,
+                    412,
+                    "This request was first sent longer ago than this server keeps its key "
+                    f"({self.settings.ttl:g} s), or later than now: whether it ran cannot be "
+                    "told, so it did not run. Look its outcome up by other means; send a new "
+                    "request with a new key.",
+                )
+                return None
+            self.answers.ran(self.settings.ttl, self.settings.release_statuses)
             return claim
+        self.answers.found(claim.expires_at)
         if claim.outcome is ClaimOutcome.REPLAY:
             assert claim.response is not None
             await send_replay(self.send, claim.response)
@@ -421,68 +439,8 @@ class Exchange:
             mode=self.settings.fingerprint,
         )
 
-    def _credential_binding(self) -> str:
-        """A digest of the caller's credentials, which the record is bound to.
-
-        Without a ``scope`` option a record is bound by checking: the same key sent with other
-        credentials never gets this record. With ``scope``, the scope alone decides.
-        """
-        options = self.options
-        if options.caller_scope is not None:
-            return ""
-        values = [
-            (name, value)
-            for name in options.credential_headers
-            for value in self.headers.get(name, ())
-        ]
-        if options.credential_cookies:
-            cookies = HTTPConnection(self.scope).cookies
-            values += [
-                (f"cookie:{name}", cookies[name])
-                for name in options.credential_cookies
-                if name in cookies
-            ]
-        if not values:
-            return ""
-        return credential_digest(values)
-
-    async def _caller_scope(self) -> str | None:
-        """The namespace of this request's keys, from the ``scope`` option ('' without one).
-
-        ``None`` when the request was answered instead: the callable raised an HTTPException
-        (its answer, as a problem), or failed or gave no usable scope (a 500 problem, logged:
-        the handler never runs unscoped).
-        """
-        caller_scope = self.options.caller_scope
-        if caller_scope is None:
-            return ""
-        try:
-            value = caller_scope(HTTPConnection(self.scope))
-            if inspect.isawaitable(value):
-                value = await value
-        except HTTPException as exc:
-            await send_http_problem(self.send, exc.status_code, str(exc.detail), exc.headers)
-            return None
-        except Exception:
-            logger.exception("the scope= callable of IdempotencyMiddleware failed")
-            await self._scope_failed()
-            return None
-        if not isinstance(value, str) or not value:
-            logger.error(
-                "the scope= callable of IdempotencyMiddleware returned %s; it must return a "
-                "non-empty string (the handler did not run)",
-                "an empty string" if value == "" else f"a {type(value).__name__}",
-            )
-            await self._scope_failed()
-            return None
-        return value
-
     async def _scope_failed(self) -> None:
-        await self._problem(
-            Problem.SCOPE_FAILED,
-            500,
-            "The server could not determine whose request this is; the request did not run.",
-        )
+        await scope_failed(self.options, self.send)
 
     async def _problem(self, problem: Problem, status: int, detail: str) -> None:
         await send_problem(self.send, problem, status, detail, retry_after=self.options.retry_after)

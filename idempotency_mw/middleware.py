@@ -19,6 +19,7 @@ from idempotency_mw.engine import ClaimEngine
 from idempotency_mw.exchange import Exchange
 from idempotency_mw.fence import UNKEYED, current_claim
 from idempotency_mw.lifespan import run_lifespan, store_lifespan
+from idempotency_mw.lookup import answer_lookup, looked_up_key
 from idempotency_mw.metrics import EventHook
 from idempotency_mw.openapi import document_openapi
 from idempotency_mw.options import (
@@ -30,6 +31,12 @@ from idempotency_mw.options import (
 )
 from idempotency_mw.policy import Duration, FingerprintMode, RouteOptions, RouteTable, app_routes
 from idempotency_mw.problems import Problem, send_problem
+from idempotency_mw.retention import (
+    FIRST_SENT_HEADER,
+    REQUEST_ID_HEADER,
+    KeyAnswers,
+    parse_http_date,
+)
 from idempotency_mw.stores.base import Store
 
 logger = logging.getLogger("idempotency_mw")
@@ -62,6 +69,9 @@ class IdempotencyMiddleware:
         required: bool = False,
         methods: Iterable[str] = DEFAULT_METHODS,
         header_name: str = "Idempotency-Key",
+        request_id_header: str | None = REQUEST_ID_HEADER,
+        first_sent_header: str = FIRST_SENT_HEADER,
+        lookup_path: str | None = None,
         routes: Mapping[str, RouteOptions] | None = None,
         scope: CallerScope | None = None,
         credential_headers: Iterable[str] = ("authorization",),
@@ -112,10 +122,15 @@ class IdempotencyMiddleware:
         if id(app) not in self._documented:
             # Without a lifespan (a TestClient used without `with`), the first request does it.
             self._document(app)
-        if scope["method"] not in self.options.methods:
+        options = self.options
+        if scope["method"] not in options.methods:
+            if options.lookup_path is not None and scope["method"] == "GET":
+                raw = looked_up_key(scope, options.lookup_path)
+                if raw is not None:
+                    await answer_lookup(options, scope, send, raw)
+                    return
             await self.app(scope, receive, send)
             return
-        options = self.options
         resolved = self.routes.resolve(app, scope)
         if resolved is None:
             # The app answers 404 or 405: nothing runs, so there is nothing to guard or record.
@@ -123,7 +138,11 @@ class IdempotencyMiddleware:
             return
         settings = options.defaults.merge(resolved.policy)
         headers = request_headers(scope, options.read_headers)
-        raw_keys = headers.get(options.header_name.lower(), ())
+        raw_keys = headers.get(options.header_name.lower(), [])
+        # An OASIS caller sends its key as the request id: the same key, or a second one.
+        ids = headers.get(options.request_id_header or "", [])
+        if ids:
+            raw_keys = ids if raw_keys in ([], ids) else raw_keys + ids
         if not raw_keys:
             if settings.required:
                 await send_problem(
@@ -149,13 +168,27 @@ class IdempotencyMiddleware:
             )
             await send_problem(send, Problem.INVALID_KEY, 400, detail + ".")
             return
+        answers = KeyAnswers(send, oasis=bool(ids))
+        sent = headers.get(options.first_sent_header)
+        if sent:
+            answers.first_sent = parse_http_date(sent[0]) if len(sent) == 1 else None
+            if answers.first_sent is None:
+                answers.reject()
+                await send_problem(
+                    answers.send,
+                    Problem.INVALID_FIRST_SENT,
+                    400,
+                    f"Send one {options.first_sent_header} header, an HTTP-date "
+                    "(e.g. Sun, 06 Nov 1994 08:49:37 GMT).",
+                )
+                return
         exchange = Exchange(
             self.app,
             options,
             self.engine,
             scope,
             receive,
-            send,
+            answers,
             headers,
             key,
             resolved.template,

@@ -1,8 +1,10 @@
 """Documents idempotency in a FastAPI application's OpenAPI schema.
 
-Every operation the middleware guards gets the key header (required where a key is required),
-the problem answers the middleware may give instead of the app's, and the ``Idempotent-Replayed``
-header of replayed responses.
+Every operation the middleware guards gets the key header (required where a key is required)
+and the first-sent header, its key's retention (``x-idempotency``: ``retention_seconds``, the
+route's ``ttl``), the problem answers the middleware may give instead of the app's, the
+``Idempotent-Replayed`` header of replayed responses and the ``Idempotency-Key-Expires`` header
+of keyed answers; with ``lookup_path``, the lookup by key is an operation of its own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 from idempotency_mw.options import Options
 from idempotency_mw.policy import RouteTable, app_routes
 from idempotency_mw.problems import Problem
+from idempotency_mw.records import KeyState
+from idempotency_mw.retention import EXPIRES_HEADER, FIRST_SENT_HEADER
 
 _MARK = "__idempotency_documented__"
 _PROBLEM_SCHEMA = "IdempotencyProblem"
@@ -25,6 +29,8 @@ def problem_answers(options: Options) -> dict[int, str]:
         400: "Idempotency-Key missing where required, or invalid",
         409: "Key in use by a request still running, reused with a different request, "
         "or its response cannot be replayed",
+        412: "Key first sent longer ago than the route keeps keys (Repeatability-First-Sent), "
+        "and no record of it: nothing ran",
         413: "Request body too large to fingerprint",
         503: "Idempotency store unavailable, or the key could no longer be held",
     }
@@ -70,10 +76,12 @@ def _document(
                 continue
             # Policies name the full template, as requests reach it through the mounts.
             policy = routes.policy_for(method, prefix + route.template, route.endpoint)
-            _document_operation(
-                operation, options, required=options.defaults.merge(policy).required
-            )
+            settings = options.defaults.merge(policy)
+            _document_operation(operation, options, required=settings.required)
+            operation.setdefault("x-idempotency", {"retention_seconds": settings.ttl})
             guarded = True
+    if options.lookup_path is not None and not prefix:
+        paths.setdefault(options.lookup_path + "/{key}", {"get": _lookup_operation()})
     if guarded:
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
         schemas.setdefault(_PROBLEM_SCHEMA, _problem_schema())
@@ -81,23 +89,23 @@ def _document(
 
 def _document_operation(operation: dict[str, Any], options: Options, *, required: bool) -> None:
     parameters: list[dict[str, Any]] = operation.setdefault("parameters", [])
-    name = options.header_name
-    if not any(
-        p.get("in") == "header" and str(p.get("name", "")).lower() == name.lower()
-        for p in parameters
-    ):
-        parameters.append(
-            {
-                "name": name,
-                "in": "header",
-                "required": required,
-                "description": (
-                    "Unique key of this operation, reused on every retry: a repeat gets the "
-                    "recorded response instead of running the operation again."
-                ),
-                "schema": {"type": "string", "minLength": 1, "maxLength": 255},
-            }
-        )
+    _add_header(
+        parameters,
+        options.header_name,
+        required=required,
+        description="Unique key of this operation, reused on every retry: a repeat gets the "
+        "recorded response instead of running the operation again.",
+        schema={"type": "string", "minLength": 1, "maxLength": 255},
+    )
+    _add_header(
+        parameters,
+        FIRST_SENT_HEADER,
+        required=False,
+        description="When this operation was first sent (an HTTP-date), on every retry: a "
+        "retry older than the key's retention, whose key has no record, is refused with 412 "
+        "instead of run again.",
+        schema={"type": "string"},
+    )
     responses: dict[str, Any] = operation.setdefault("responses", {})
     for code, answer in sorted(problem_answers(options).items()):
         response = responses.setdefault(str(code), {"description": answer})
@@ -114,6 +122,78 @@ def _document_operation(operation: dict[str, Any], options: Options, *, required
                     "schema": {"type": "string", "enum": ["true"]},
                 },
             )
+        if status.startswith(("2", "409")):
+            response.setdefault("headers", {}).setdefault(EXPIRES_HEADER, _EXPIRES)
+
+
+def _add_header(
+    parameters: list[dict[str, Any]],
+    name: str,
+    *,
+    required: bool,
+    description: str,
+    schema: dict[str, Any],
+) -> None:
+    """Document the header ``name``, unless the operation documents it already."""
+    if not any(
+        p.get("in") == "header" and str(p.get("name", "")).lower() == name.lower()
+        for p in parameters
+    ):
+        parameters.append(
+            {
+                "name": name,
+                "in": "header",
+                "required": required,
+                "description": description,
+                "schema": schema,
+            }
+        )
+
+
+_EXPIRES = {
+    "description": "Until when (at least) the key's record is kept: a retry with the key "
+    "before then is replayed or refused, never run again.",
+    "schema": {"type": "string"},
+}
+
+
+def _lookup_operation() -> dict[str, Any]:
+    return {
+        "summary": "Look an operation's outcome up by its key",
+        "description": "What became of the caller's key, without sending the request again: "
+        "`unknown` (no record: never arrived, or expired), `in-progress` (`lease_until`), "
+        "`completed` (`status`, `replayable`) or `committed` (its effect committed, its "
+        "answer lost). Another caller's key reads as unknown. `?replay=true` answers the "
+        "recorded response itself when there is one.",
+        "parameters": [
+            {"name": "key", "in": "path", "required": True, "schema": {"type": "string"}},
+            {"name": "replay", "in": "query", "required": False, "schema": {"type": "boolean"}},
+        ],
+        "responses": {
+            "200": {
+                "description": "The key's state",
+                "headers": {EXPIRES_HEADER: _EXPIRES},
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["state"],
+                            "properties": {
+                                "state": {
+                                    "type": "string",
+                                    "enum": [state.value for state in KeyState],
+                                },
+                                "expires_at": {"type": "string", "format": "date-time"},
+                                "lease_until": {"type": "string", "format": "date-time"},
+                                "status": {"type": ["integer", "null"]},
+                                "replayable": {"type": "boolean"},
+                            },
+                        }
+                    }
+                },
+            }
+        },
+    }
 
 
 def _problem_schema() -> dict[str, Any]:

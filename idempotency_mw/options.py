@@ -13,7 +13,7 @@ from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.metrics import EventHook, guard
 from idempotency_mw.policy import RouteOptions, Settings
-from idempotency_mw.stores.base import Store, takes_keyword
+from idempotency_mw.stores.base import KeyLookup, Store, takes_keyword
 
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: Headers left out of a record: credentials a handler may echo, challenges, hop-by-hop headers.
@@ -49,6 +49,12 @@ class Options:
     defaults: Settings
     methods: frozenset[str]
     header_name: str
+    #: The OASIS key header, lower case (``None``: not read).
+    request_id_header: str | None
+    #: The first-sent time's header, lower case.
+    first_sent_header: str
+    #: Where ``GET <lookup_path>/<key>`` is answered (``None``: nowhere).
+    lookup_path: str | None
     #: The request headers the middleware reads (key, Content-Length, Content-Type,
     #: credentials, fingerprint).
     read_headers: frozenset[bytes]
@@ -75,6 +81,9 @@ def build_options(
     store: Store,
     methods: Iterable[str],
     header_name: str,
+    request_id_header: str | None,
+    first_sent_header: str,
+    lookup_path: str | None,
     routes: Mapping[str, RouteOptions] | None,
     scope: CallerScope | None,
     credential_headers: Iterable[str],
@@ -111,6 +120,13 @@ def build_options(
         raise ConfigurationError("size limits and retry_after must not be negative")
     if on_lease_lost not in ("cancel", "continue"):
         raise ConfigurationError("on_lease_lost must be 'cancel' or 'continue'")
+    if lookup_path is not None:
+        if not lookup_path.startswith("/") or lookup_path.endswith("/"):
+            raise ConfigurationError(
+                f"lookup_path must start with '/' and not end with one, got {lookup_path!r}"
+            )
+        if not isinstance(store, KeyLookup):
+            raise ConfigurationError(f"lookup_path needs a store that can look keys up: {store!r}")
     deny = {h.lower().encode("latin-1") for h in replay_headers_deny} | _ALWAYS_UNRECORDED
     allow = (
         None
@@ -124,10 +140,15 @@ def build_options(
         defaults=Settings.defaults(route_defaults),
         methods=frozenset(method.upper() for method in methods),
         header_name=header_name,
+        request_id_header=None if request_id_header is None else request_id_header.lower(),
+        first_sent_header=first_sent_header.lower(),
+        lookup_path=lookup_path,
         read_headers=frozenset(
             name.lower().encode("latin-1")
             for name in (
                 header_name,
+                *(() if request_id_header is None else (request_id_header,)),
+                first_sent_header,
                 "content-length",
                 "content-type",
                 *credentials,

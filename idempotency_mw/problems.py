@@ -32,6 +32,11 @@ class Problem(enum.Enum):
         "committed-without-response",
         "The request took effect, but its response is not available",
     )
+    EXPIRED_KEY = (
+        "expired-key",
+        "Idempotency-Key first sent longer ago than this server keeps keys",
+    )
+    INVALID_FIRST_SENT = ("invalid-first-sent", "Invalid Repeatability-First-Sent")
 
     @property
     def type_uri(self) -> str:
@@ -52,6 +57,8 @@ RETRYABLE: Mapping[Problem, bool] = {
     Problem.UNREPLAYABLE: False,
     Problem.COMMITTED_WITHOUT_RESPONSE: False,
     Problem.TOO_LARGE: False,
+    Problem.EXPIRED_KEY: False,
+    Problem.INVALID_FIRST_SENT: False,
     Problem.IN_PROGRESS: True,
     Problem.STORE_UNAVAILABLE: True,
     Problem.LEASE_LOST: True,

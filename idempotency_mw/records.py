@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class RecordStatus(enum.StrEnum):
@@ -46,12 +46,75 @@ class Claim:
     """The answer to :meth:`Store.claim`.
 
     ``token`` is set only for ``ACQUIRED`` and must be presented to complete, renew or release the
-    claim; ``response`` is set only for ``REPLAY``.
+    claim; ``response`` is set only for ``REPLAY``. ``expires_at`` (Unix seconds, the store's
+    clock) is when the record found ends, for outcomes that found one of this caller's records
+    (not ``ACQUIRED``, not ``CREDENTIAL_MISMATCH``); ``None`` where the store does not say.
     """
 
     outcome: ClaimOutcome
     token: str | None = None
     response: StoredResponse | None = None
+    #: Told to the caller, never compared: two claims that decide alike are equal.
+    expires_at: float | None = field(default=None, compare=False)
+
+
+class KeyState(enum.StrEnum):
+    """What a lookup by key tells its caller (see :class:`RecordState`)."""
+
+    #: No record for this caller: never arrived, expired, purged, or another caller's.
+    UNKNOWN = "unknown"
+    IN_PROGRESS = "in-progress"
+    COMPLETED = "completed"
+    #: Its effect was committed (``fence``), its answer is not available.
+    COMMITTED = "committed"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordState:
+    """A record as a lookup by key sees it (:meth:`~idempotency_mw.stores.base.KeyLookup.lookup`).
+
+    Times are Unix seconds on the store's clock. ``lease_until`` is set while ``IN_PROGRESS``
+    (in the past when the worker stopped renewing: a retry takes it over); ``status`` and
+    ``response`` are the recorded answer's, when there is one.
+    """
+
+    state: KeyState
+    expires_at: float
+    lease_until: float | None = None
+    status: int | None = None
+    response: StoredResponse | None = None
+
+    @property
+    def replayable(self) -> bool:
+        """Whether a retry with the key gets the recorded answer replayed."""
+        return self.response is not None
+
+
+def record_state(
+    status: str,
+    *,
+    fenced: bool,
+    lease_ends: float,
+    expires: float,
+    now: float,
+    response: StoredResponse | None,
+) -> RecordState | None:
+    """The state of a record as the stores keep it (``status`` a :class:`RecordStatus` value,
+    times in one clock), or ``None`` when it counts as absent: past its TTL and not held by a
+    live lease. The one reading every store's lookup shares."""
+    in_progress = status == RecordStatus.IN_PROGRESS.value
+    if expires <= now and not (in_progress and lease_ends > now):
+        return None
+    if in_progress and not (fenced and lease_ends <= now):
+        return RecordState(KeyState.IN_PROGRESS, expires, lease_until=lease_ends)
+    if in_progress or status == RecordStatus.COMMITTED.value:
+        return RecordState(KeyState.COMMITTED, expires)
+    return RecordState(
+        KeyState.COMPLETED,
+        expires,
+        status=None if response is None else response.status,
+        response=response,
+    )
 
 
 def new_token() -> str:

@@ -12,7 +12,14 @@ from datetime import UTC, datetime
 
 from idempotency_mw.admin import RecordView, StoreStats, pair_of, pair_ref, record_version
 from idempotency_mw.conformance import CASES, CaseResult, ConformanceResult, conformance
-from idempotency_mw.records import Claim, ClaimOutcome, RecordStatus, StoredResponse
+from idempotency_mw.records import (
+    Claim,
+    ClaimOutcome,
+    RecordState,
+    RecordStatus,
+    StoredResponse,
+    record_state,
+)
 from idempotency_mw.stores.base import ClaimsWithToken
 
 __all__ = ["CASES", "CaseResult", "ConformanceResult", "MemoryStore", "conformance"]
@@ -103,13 +110,30 @@ class MemoryStore(ClaimsWithToken):
                 return Claim(ClaimOutcome.ACQUIRED, token=token)
             if record.binding != binding:
                 return Claim(ClaimOutcome.CREDENTIAL_MISMATCH)
+            expires = record.expires
             if record.fingerprint != fingerprint:
-                return Claim(ClaimOutcome.MISMATCH)
+                return Claim(ClaimOutcome.MISMATCH, expires_at=expires)
             if record.status is RecordStatus.COMPLETED:
-                return Claim(ClaimOutcome.REPLAY, response=record.response)
+                return Claim(ClaimOutcome.REPLAY, response=record.response, expires_at=expires)
             if record.status is RecordStatus.UNREPLAYABLE:
-                return Claim(ClaimOutcome.UNREPLAYABLE)
-            return Claim(ClaimOutcome.IN_PROGRESS)
+                return Claim(ClaimOutcome.UNREPLAYABLE, expires_at=expires)
+            return Claim(ClaimOutcome.IN_PROGRESS, expires_at=expires)
+
+    async def lookup(self, scope: str, key: str, *, binding: str = "") -> RecordState | None:
+        """See :class:`~idempotency_mw.stores.base.KeyLookup` (this store marks no fenced
+        commits: ``fence()`` writes its proof in the application's database)."""
+        with self._lock:
+            record = self._records.get((scope, key))
+            if record is None or record.binding != binding:
+                return None
+            return record_state(
+                record.status.value,
+                fenced=False,
+                lease_ends=record.lease_ends,
+                expires=record.expires,
+                now=self._clock(),
+                response=record.response,
+            )
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
         return self._change(

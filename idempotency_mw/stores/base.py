@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from idempotency_mw.records import Claim, RecordStatus, StoredResponse, new_token
+from idempotency_mw.records import Claim, RecordState, RecordStatus, StoredResponse, new_token
 
 if TYPE_CHECKING:
     from idempotency_mw.admin import RecordView, StoreStats
@@ -71,9 +71,14 @@ class Store(Protocol):
     step stays durable, which is always safe); a store whose methods lack the keyword is simply
     never given it.
 
+    A claim that finds a record of the caller's (any outcome but ``ACQUIRED`` and
+    ``CREDENTIAL_MISMATCH``) may say when it ends in ``Claim.expires_at``; the middleware then
+    tells the caller (the ``Idempotency-Key-Expires`` header).
+
     Backend failures raise :class:`~idempotency_mw.exceptions.StoreError`.
 
-    A store may also offer :class:`SettlementFeed`, which is optional: no store has to.
+    A store may also offer :class:`SettlementFeed` and :class:`KeyLookup`, which are optional:
+    no store has to (every store of this package offers :class:`KeyLookup`).
     """
 
     async def claim(
@@ -152,6 +157,23 @@ class SettlementFeed(Protocol):
         with capped backoff; it never ends the watch. Raises
         :class:`~idempotency_mw.exceptions.SettlementFeedUnsupported` when this store's backend
         cannot (e.g. a SQLStore on SQLite).
+        """
+        ...
+
+
+@runtime_checkable
+class KeyLookup(Protocol):
+    """An optional capability of a store: a caller's look at its own key's record, without
+    claiming it (``lookup_path=`` of the middleware, ``IdempotentFunctions.lookup``, the MCP
+    lookup). A read: it changes nothing, in one statement or script with the backend's clock.
+    """
+
+    async def lookup(self, scope: str, key: str, *, binding: str = "") -> RecordState | None:
+        """The state of the record of ``(scope, key)``, or ``None`` when the caller has none:
+        no record, one that counts as absent (past its TTL, no live lease), or one bound to
+        other credentials than ``binding`` (so another caller learns nothing, not even that
+        the key exists). The recorded response is read along when the record holds one.
+        See :func:`~idempotency_mw.records.record_state`.
         """
         ...
 

@@ -34,6 +34,8 @@ FINAL = {
     Problem.UNREPLAYABLE,
     Problem.COMMITTED_WITHOUT_RESPONSE,
     Problem.TOO_LARGE,
+    Problem.EXPIRED_KEY,
+    Problem.INVALID_FIRST_SENT,
 }
 LATER = {Problem.IN_PROGRESS, Problem.STORE_UNAVAILABLE, Problem.LEASE_LOST}
 

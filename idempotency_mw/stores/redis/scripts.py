@@ -17,7 +17,9 @@ CLAIM = _source("claim")
 RENEW = _source("renew")
 COMPLETE = _source("complete")
 RELEASE = _source("release", clock=False)
+#: A caller's look at its own key's record (KeyLookup).
+LOOKUP = _source("lookup")
 #: The operator's: a record's fields (and the server's clock), and a forced release.
 INSPECT = _source("inspect")
 FORGET = _source("forget", clock=False)
-ALL = (CLAIM, RENEW, COMPLETE, RELEASE, INSPECT, FORGET)
+ALL = (CLAIM, RENEW, COMPLETE, RELEASE, LOOKUP, INSPECT, FORGET)

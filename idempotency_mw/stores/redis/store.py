@@ -27,9 +27,11 @@ from idempotency_mw.metrics import key_hash
 from idempotency_mw.records import (
     Claim,
     ClaimOutcome,
+    RecordState,
     RecordStatus,
     StoredResponse,
     pack_headers,
+    record_state,
     unpack_headers,
 )
 from idempotency_mw.stores.base import ClaimsWithToken
@@ -128,6 +130,7 @@ class RedisStore(RedisInspection, ClaimsWithToken):
         self._release_script = self._client.register_script(scripts.RELEASE)
         self._inspect_script = self._client.register_script(scripts.INSPECT)
         self._forget_script = self._client.register_script(scripts.FORGET)
+        self._lookup_script = self._client.register_script(scripts.LOOKUP)
 
     def _here(self) -> AsyncClient:
         """The client for the running event loop.
@@ -192,11 +195,28 @@ class RedisStore(RedisInspection, ClaimsWithToken):
         outcome = _OUTCOMES[reply[0]]
         if outcome is ClaimOutcome.ACQUIRED:
             return Claim(outcome, token=token)
+        if len(reply) == 1:  # credential_mismatch: nothing of the record is told
+            return Claim(outcome)
+        expires = int(reply[1]) / 1000
         if outcome is ClaimOutcome.REPLAY:
-            status, headers, body = reply[1:4]
-            response = StoredResponse(int(status), unpack_headers(bytes(headers)), bytes(body))
-            return Claim(outcome, response=response)
-        return Claim(outcome)
+            return Claim(outcome, response=_response(*reply[2:5]), expires_at=expires)
+        return Claim(outcome, expires_at=expires)
+
+    async def lookup(self, scope: str, key: str, *, binding: str = "") -> RecordState | None:
+        """See :class:`~idempotency_mw.stores.base.KeyLookup`: one script. A Redis record
+        never says ``committed``: ``fence()`` writes its proof in the application's database."""
+        reply = await self._run("lookup", self._lookup_script, self.redis_key(scope, key), binding)
+        if len(reply) == 1:
+            return None
+        now, status, lease_ends, expires = reply[:4]
+        return record_state(
+            _text(status),
+            fenced=False,
+            lease_ends=int(lease_ends) / 1000,
+            expires=int(expires) / 1000,
+            now=int(now) / 1000,
+            response=_response(*reply[4:7]) if len(reply) > 4 else None,
+        )
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
         return bool(
@@ -337,6 +357,11 @@ def _address_of(client: AsyncClient) -> str:
         return f"unix://{options['path']}?db={options.get('db', 0)}"
     host, port = options.get("host", "localhost"), options.get("port", 6379)
     return f"redis://{host}:{port}/{options.get('db', 0)}"
+
+
+def _response(status: bytes, headers: bytes, body: bytes) -> StoredResponse:
+    """A completed record's response, as the scripts read it."""
+    return StoredResponse(int(status), unpack_headers(bytes(headers)), bytes(body))
 
 
 def _text(value: bytes | str) -> str:

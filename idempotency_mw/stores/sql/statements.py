@@ -129,6 +129,7 @@ READ = select(
     records.c.response_headers,
     records.c.result_payload,
     BINDING.label("binding"),
+    records.c.expires_at,
     # In progress, its effect committed, and nobody held it for a whole lease of probation.
     and_(
         records.c.status == IN_PROGRESS,
@@ -153,6 +154,18 @@ PROBATION = (
 #: A committed effect's mark with its probation ended (the holder was heard from).
 _COMMITTED_AT = func.abs(records.c.committed_at)
 WINNER = select(records.c.token).where(KEY_IS)
+#: A caller's look at its key's record (one bound to other credentials is not found), with
+#: the clock it is read by.
+LOOKUP = select(
+    records.c.status,
+    records.c.committed_at.is_not(None),
+    records.c.lease_expires_at,
+    records.c.expires_at,
+    records.c.response_status,
+    records.c.response_headers,
+    records.c.result_payload,
+    NOW,
+).where(KEY_IS, bindparam("p_binding") == BINDING)
 RENEW = (
     update(records)
     .where(OWNED)

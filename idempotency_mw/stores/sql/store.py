@@ -18,9 +18,11 @@ from idempotency_mw.metrics import key_hash
 from idempotency_mw.records import (
     Claim,
     ClaimOutcome,
+    RecordState,
     RecordStatus,
     StoredResponse,
     pack_headers,
+    record_state,
     unpack_headers,
 )
 from idempotency_mw.stores.base import ClaimsWithToken
@@ -32,6 +34,7 @@ from idempotency_mw.stores.sql.drivers import DriverChoice, Synchronous, open_dr
 from idempotency_mw.stores.sql.schema import check_schema
 from idempotency_mw.stores.sql.statements import (
     FENCE,
+    LOOKUP,
     PURGES,
     REFENCE,
     RENEW,
@@ -152,6 +155,26 @@ class SQLStore(SQLInspection, ClaimsWithToken):
             if existing is not None:
                 return existing
         raise StoreError(f"claim on {self!r} failed: the record kept changing while it was claimed")
+
+    async def lookup(self, scope: str, key: str, *, binding: str = "") -> RecordState | None:
+        """See :class:`~idempotency_mw.stores.base.KeyLookup`: one SELECT."""
+        params = {**_record_of(scope, key), "p_binding": binding}
+        rows = await self._call(
+            "lookup", lambda ends: self._driver.fetch(LOOKUP, params, deadline=ends)
+        )
+        if not rows:
+            return None
+        status, fenced, lease_ends, expires, response_status, headers, payload, now = rows[0]
+        return record_state(
+            status,
+            fenced=bool(fenced),
+            lease_ends=lease_ends / 1000,
+            expires=expires / 1000,
+            now=now / 1000,
+            response=None
+            if status != RecordStatus.COMPLETED.value
+            else _stored(response_status, headers, payload),
+        )
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
         params = {**_record_of(scope, key), "p_token": token, "p_lease_ms": int(lease * 1000)}
@@ -329,6 +352,7 @@ def _outcome_of(
         response_headers,
         result_payload,
         bound_to,
+        expires_ms,
         orphaned,
         mine,
         free,
@@ -339,15 +363,19 @@ def _outcome_of(
         return Claim(ClaimOutcome.ACQUIRED, token=token)
     if bound_to != binding:
         return Claim(ClaimOutcome.CREDENTIAL_MISMATCH)
+    expires = expires_ms / 1000
     if request_hash != fingerprint:
-        return Claim(ClaimOutcome.MISMATCH)
+        return Claim(ClaimOutcome.MISMATCH, expires_at=expires)
     if status == RecordStatus.COMPLETED.value:
-        response = StoredResponse(
-            response_status, unpack_headers(response_headers), bytes(result_payload)
-        )
-        return Claim(ClaimOutcome.REPLAY, response=response)
+        response = _stored(response_status, response_headers, result_payload)
+        return Claim(ClaimOutcome.REPLAY, response=response, expires_at=expires)
     if status == RecordStatus.UNREPLAYABLE.value:
-        return Claim(ClaimOutcome.UNREPLAYABLE)
+        return Claim(ClaimOutcome.UNREPLAYABLE, expires_at=expires)
     if orphaned or status == RecordStatus.COMMITTED.value:
-        return Claim(ClaimOutcome.COMMITTED_WITHOUT_RESPONSE)
-    return Claim(ClaimOutcome.IN_PROGRESS)
+        return Claim(ClaimOutcome.COMMITTED_WITHOUT_RESPONSE, expires_at=expires)
+    return Claim(ClaimOutcome.IN_PROGRESS, expires_at=expires)
+
+
+def _stored(status: int, headers: bytes, payload: bytes) -> StoredResponse:
+    """A completed record's response, as the table holds it."""
+    return StoredResponse(status, unpack_headers(headers), bytes(payload))

@@ -1,5 +1,6 @@
 -- KEYS[1] record; ARGV fingerprint, token, ttl ms, lease ms, binding.
--- Returns {outcome} or {'replay', status, headers, body}.
+-- Returns {'acquired'}, {'credential_mismatch'}, {outcome, expires at ms} or
+-- {'replay', expires at ms, status, headers, body}.
 local key, fingerprint, token = KEYS[1], ARGV[1], ARGV[2]
 local ttl, lease, binding = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5] or ''
 local now = now_ms()
@@ -28,10 +29,11 @@ if take then
     return {'acquired'}
 end
 if bound ~= binding then return {'credential_mismatch'} end
-if hash ~= fingerprint then return {'mismatch'} end
+local expires = r[5] or '0'
+if hash ~= fingerprint then return {'mismatch', expires} end
 if status == 'completed' then
     local s = redis.call('HMGET', key, 'response_status', 'response_headers', 'result_payload')
-    return {'replay', s[1] or '0', s[2] or '', s[3] or ''}
+    return {'replay', expires, s[1] or '0', s[2] or '', s[3] or ''}
 end
-if status == 'unreplayable' then return {'unreplayable'} end
-return {'in_progress'}
+if status == 'unreplayable' then return {'unreplayable', expires} end
+return {'in_progress', expires}
