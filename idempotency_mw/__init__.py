@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from idempotency_mw._version import __version__
 from idempotency_mw.cleanup import PurgeSchedule
+from idempotency_mw.downstream import downstream_key
 from idempotency_mw.exceptions import (
     ConfigurationError,
     EffectCommitted,
@@ -29,6 +30,7 @@ from idempotency_mw.functions import (
     CredentialMismatch,
     IdempotentFunctions,
     JSONCodec,
+    KeyExpired,
     KeyReused,
     ResultNotReplayable,
     StillRunning,
@@ -57,6 +59,7 @@ __all__ = [
     "IdempotentFunctions",
     "InvalidKey",
     "JSONCodec",
+    "KeyExpired",
     "KeyReused",
     "LeaseLost",
     "PurgeSchedule",
@@ -70,6 +73,7 @@ __all__ = [
     "StoreError",
     "StoredResponse",
     "__version__",
+    "downstream_key",
     "fence",
     "fence_sync",
     "idempotent",

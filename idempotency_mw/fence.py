@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,6 +44,9 @@ class CurrentClaim:
     #: :class:`~idempotency_mw.EffectCommitted`): whatever this run then fails with, the key's
     #: effect happened, and its caller must be told so.
     committed_earlier: bool = False
+    #: How many client operations of each name this run decided (their keys are derived from
+    #: the sequence: see :func:`~idempotency_mw.downstream.operation_key`).
+    operations: dict[str, int] = field(default_factory=dict)
 
 
 #: The request reached a guarded route without a key: there is no claim to fence.

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 
 import anyio.to_thread
@@ -36,8 +36,9 @@ from idempotency_mw.lifespan import check_store
 from idempotency_mw.metrics import EventHook, EventKind, guard
 from idempotency_mw.options import LeaseLostAction
 from idempotency_mw.policy import Duration, to_seconds
-from idempotency_mw.records import ClaimOutcome, StoredResponse
-from idempotency_mw.stores.base import Store
+from idempotency_mw.records import ClaimOutcome, RecordState, StoredResponse
+from idempotency_mw.retention import too_old
+from idempotency_mw.stores.base import KeyLookup, Store
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -126,6 +127,16 @@ COMMITTED_WITHOUT_RESULT = (
 )
 
 
+class KeyExpired(IdempotencyError):
+    """The call was first sent longer ago than its key is kept (or later than now), and no
+    record of it is left: whether it ran cannot be told, so it did not run. Look its outcome
+    up by other means; a new call takes a new key."""
+
+
+#: A first-sent time: Unix seconds, or an aware datetime.
+FirstSent = float | datetime
+
+
 def arguments_fingerprint(fn: Callable[..., Any], args: Any, kwargs: Any) -> str:
     """The canonical JSON of ``fn``'s arguments as bound by its signature (defaults
     applied), hashed: the same call however its arguments were passed."""
@@ -202,11 +213,13 @@ class IdempotentFunctions:
         key: Callable[..., str],
         fingerprint: Callable[..., str] | None = None,
         name: str | None = None,
+        first_sent: Callable[..., FirstSent | None] | None = None,
     ) -> Decorator:
         """A decorator: each call of the function runs once per ``key``, fingerprinted by
         ``fingerprint`` (default: its arguments' canonical JSON) and named ``name`` (default:
-        its module and qualified name). ``key`` and ``fingerprint`` are called with the
-        call's arguments by name, as its signature binds them (defaults applied), however
+        its module and qualified name); ``first_sent`` gives when the caller first sent the
+        call (see :meth:`call`). ``key``, ``fingerprint`` and ``first_sent`` are called with
+        the call's arguments by name, as its signature binds them (defaults applied), however
         they were passed. The decorated function is async, whether the function is async or
         sync."""
 
@@ -219,7 +232,8 @@ class IdempotentFunctions:
                 bound.apply_defaults()
                 named = bound.arguments
                 digest = None if fingerprint is None else fingerprint(**named)
-                return await self._run(key(**named), fn, args, kwargs, digest, name)
+                sent = None if first_sent is None else first_sent(**named)
+                return await self._run(key(**named), fn, args, kwargs, digest, name, sent)
 
             return protected
 
@@ -252,7 +266,7 @@ class IdempotentFunctions:
         :class:`~idempotency_mw.StoreError`; what ``fn`` raises is raised (the key released,
         unless ``fence()`` committed its effect).
         """
-        return await self._run(key, fn, args, kwargs, None, None)
+        return await self._run(key, fn, args, kwargs, None, None, None)
 
     async def _run(
         self,
@@ -262,6 +276,7 @@ class IdempotentFunctions:
         kwargs: Any,
         fingerprint: str | None,
         name: str | None,
+        first_sent: FirstSent | None,
     ) -> Any:
         name = name or f"{fn.__module__}.{fn.__qualname__}"
         digest = fingerprint or arguments_fingerprint(fn, args, kwargs)
@@ -273,7 +288,7 @@ class IdempotentFunctions:
             # A sync function runs in a worker thread; its store calls stay on the loop.
             work = functools.partial(anyio.to_thread.run_sync, body)
         meant = hashlib.sha256(f"{name}\0{digest}".encode()).hexdigest()
-        return await self.call(key, meant, work, name=name)
+        return await self.call(key, meant, work, name=name, first_sent=first_sent)
 
     async def call(
         self,
@@ -284,15 +299,23 @@ class IdempotentFunctions:
         name: str,
         scope: str | None = None,
         binding: str = "",
+        first_sent: FirstSent | None = None,
     ) -> Any:
         """Run ``work()`` once per ``key`` under ``fingerprint`` (what the call means) and
         return its result, or the recorded one decoded (``name`` names it in events); the key
         lives in ``scope`` (default: this instance's) and its record is bound to ``binding``
-        (a digest of the caller's credentials, ``""`` for none)."""
+        (a digest of the caller's credentials, ``""`` for none).
+
+        ``first_sent``: when the caller first sent this call (Unix seconds or an aware
+        datetime), given on every retry. When the key has no record and that is longer ago
+        than ``ttl`` (the record may be gone) or ahead of now, :class:`KeyExpired` is raised
+        and nothing runs.
+        """
         if not is_valid_key(key):
             raise InvalidKey(key_rule(f"the key of {name}"))
         if not self._checked:
             await self.startup()
+        sent = first_sent.timestamp() if isinstance(first_sent, datetime) else first_sent
         request = ClaimRequest(
             scope or self.scope,
             key,
@@ -321,6 +344,12 @@ class IdempotentFunctions:
                 raise self._refusal(claim.outcome)
             assert hold.claim_held is not None
             token = hold.claim_held.token
+            if too_old(sent, self.ttl, time.time()):
+                await call.release(token)  # no record was found: none is left behind
+                raise KeyExpired(
+                    f"this call was first sent longer ago than its key is kept ({self.ttl:g} s), "
+                    "or later than now: whether it ran cannot be told, so it did not run"
+                )
             reset = current_claim.set(hold.claim_held)
             try:
                 result = await work()
@@ -337,6 +366,16 @@ class IdempotentFunctions:
             "the call was stopped because the store could not confirm it still held its key; "
             "retry with the same key"
         )
+
+    async def lookup(self, key: str, *, binding: str = "") -> RecordState | None:
+        """What became of ``key`` without running anything: its record's state, or ``None``
+        when there is none (never called, expired, or bound to other credentials than
+        ``binding``). Raises :class:`~idempotency_mw.ConfigurationError` when the store
+        cannot look keys up (see :class:`~idempotency_mw.stores.base.KeyLookup`)."""
+        store = self.engine.store
+        if not isinstance(store, KeyLookup):
+            raise ConfigurationError(f"{store!r} cannot look keys up")
+        return await store.lookup(self.scope, key, binding=binding)
 
     def _stored(self, result: Any, call: Call) -> StoredResponse | None:
         """The result as recorded, or ``None``: it ran, but a repeat cannot be given it."""

@@ -49,6 +49,7 @@ from idempotency_mw.client.values import (
     RequestParts,
     RetryPolicy,
 )
+from idempotency_mw.downstream import operation_key
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.keys import MAX_KEY_LENGTH
 from idempotency_mw.metrics import EventHook, guard
@@ -273,7 +274,11 @@ class Protocol:
     def new_entry(self, name: str, ref: str | None) -> JournalEntry:
         """A pending entry for a new operation, with a fresh key."""
         check_name(name)
-        key = f"{self.session}:{name}:{next(self._sequence):06d}:{secrets.token_hex(8)}"
+        # Decided in a protected handler, an operation's key follows from the handler's own:
+        # a re-run of the handler sends it again under the same key, and is replayed.
+        key = operation_key(name, ref) or (
+            f"{self.session}:{name}:{next(self._sequence):06d}:{secrets.token_hex(8)}"
+        )
         return JournalEntry(key=_checked_key(key), name=name, ref=ref, state=OperationState.PENDING)
 
     def operation(self, name: str, ref: str | None) -> Steps[Operation]:
