@@ -29,7 +29,19 @@ class IdempotentClient(ClientBase[httpx.AsyncClient], AClosedOnExit):
     ``http`` is the httpx client to send with; when omitted, one is made on ``base_url`` with
     ``headers`` and ``auth`` (only that one is closed by :meth:`aclose`). ``journal`` is a
     :class:`Journal` or the path of a SQLite file. Keys read
-    ``<key_prefix>-<session_id>:<operation>:<sequence>:<random>``.
+    ``<key_prefix>-<session_id>:<operation>:<sequence>:<random>``; an operation decided inside
+    a handler (or idempotent function, or MCP tool) the middleware protects takes a key derived
+    from that call's (see :func:`~idempotency_mw.downstream.operation_key`), so a re-run of the
+    handler sends it again under the same key.
+
+    ``lookup_path``: where the server answers ``GET <lookup_path>/<key>`` (its middleware's
+    option): after an attempt whose outcome was lost, the client asks there before it sends
+    again, and settles the operation without sending when the server holds its outcome.
+    Every attempt carries ``first_sent_header`` (``Repeatability-First-Sent``; ``None`` sends
+    none), so that a server refuses (412) a retry it can no longer tell from a new request;
+    the operation then needs confirmation. The server's ``Idempotency-Key-Expires`` is
+    journaled, and a :class:`ClientEvent` with ``kept_until`` warns when the retries may
+    outlast it.
 
     ``retention`` (default 23 hours, under the server's default TTL of 24): an operation whose
     first attempt is older is never re-sent blindly, but looked up by its probe in ``confirm``

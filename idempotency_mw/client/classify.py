@@ -15,6 +15,7 @@ IN_PROGRESS = PROBLEM_TYPE_PREFIX + "in-progress"
 NOT_REPLAYABLE = PROBLEM_TYPE_PREFIX + "not-replayable"
 COMMITTED_WITHOUT_RESPONSE = PROBLEM_TYPE_PREFIX + "committed-without-response"
 CREDENTIAL_MISMATCH = PROBLEM_TYPE_PREFIX + "credential-mismatch"
+EXPIRED_KEY = PROBLEM_TYPE_PREFIX + "expired-key"
 
 
 class Verdict(enum.Enum):
@@ -29,6 +30,9 @@ class Verdict(enum.Enum):
     #: attempt may have run under the other credentials
     CREDENTIAL_MISMATCH = "credential-mismatch"
     NOT_REPLAYABLE = "not-replayable"  # took effect, no response: raise; confirmed
+    #: 412: first sent longer ago than the server keeps keys, and no record of it: this attempt
+    #: did not run, an earlier one may have. Confirm it, never re-send it blindly.
+    EXPIRED = "expired"
     UNSENDABLE = "unsendable"  # the request cannot be sent as built: re-raise; failed
     RAISE = "raise"  # any other exception: re-raise; the journal is left as it is
 
@@ -64,11 +68,13 @@ def classify(outcome: httpx.Response | Exception) -> Verdict:
     status = outcome.status_code
     if status < 400:
         return Verdict.SUCCEEDED
-    kind = problem_type(outcome) if status in (409, 422) else ""
+    kind = problem_type(outcome) if status in (409, 412, 422) else ""
     if kind == MISMATCH:
         return Verdict.MISMATCH
     if status == 409 and kind == CREDENTIAL_MISMATCH:
         return Verdict.CREDENTIAL_MISMATCH
+    if status == 412 and kind == EXPIRED_KEY:
+        return Verdict.EXPIRED
     if status == 409 and kind == IN_PROGRESS:
         return Verdict.RETRY
     if status == 409 and kind in (NOT_REPLAYABLE, COMMITTED_WITHOUT_RESPONSE):

@@ -29,13 +29,21 @@ IN_DOUBT = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class ClientEvent:
-    """The operation ``name`` was journaled ``state`` after ``previous``."""
+    """The operation ``name`` was journaled ``state`` after ``previous``; or, with
+    ``kept_until`` set, a warning: the server keeps its key only until then (Unix seconds),
+    sooner than its retries may go on (``state`` is then ``previous``)."""
 
     state: OperationState
     previous: OperationState
     name: str
     #: 12 hex characters of sha256(key): never the key.
     key_digest: str
+    kept_until: float | None = None
+
+    @property
+    def outlasts_retention(self) -> bool:
+        """Whether this is the warning that retries outlast the server's retention."""
+        return self.kept_until is not None
 
     @property
     def needs_attention(self) -> bool:
@@ -55,7 +63,9 @@ class ClientMetrics:
     """A client event hook that keeps Prometheus counters (needs the ``[prometheus]`` extra).
 
     - ``<namespace>_client_transitions_total{state, previous, operation}``: journaled changes;
-    - ``<namespace>_client_resolved_total{state, operation}``: operations in doubt settled.
+    - ``<namespace>_client_resolved_total{state, operation}``: operations in doubt settled;
+    - ``<namespace>_client_retention_warnings_total{operation}``: operations whose retries may
+      outlast the server's retention of their key.
 
     Registered in ``registry`` (default: prometheus_client's global one): one instance per
     registry, shared by the clients of a process.
@@ -82,7 +92,18 @@ class ClientMetrics:
             registry=target,
         )
 
+        self.retention_warnings = Counter(
+            "client_retention_warnings",
+            "Operations whose retries may outlast the server's retention of their key.",
+            ["operation"],
+            namespace=namespace,
+            registry=target,
+        )
+
     def __call__(self, event: ClientEvent) -> None:
+        if event.outlasts_retention:
+            self.retention_warnings.labels(event.name).inc()
+            return
         self.transitions.labels(event.state.value, event.previous.value, event.name).inc()
         if event.resolved:
             self.resolved.labels(event.state.value, event.name).inc()

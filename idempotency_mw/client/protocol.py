@@ -41,7 +41,10 @@ from idempotency_mw.client.errors import (
     ResponseNotReplayable,
 )
 from idempotency_mw.client.events import ClientEvent, ClientEventHook
+from idempotency_mw.client.lookup import learned, lookup_request
 from idempotency_mw.client.values import (
+    KEY_EXPIRES_HEADER,
+    LOOKED_UP_HEADER,
     MAYBE_DELIVERED,
     JournalEntry,
     Operation,
@@ -53,6 +56,8 @@ from idempotency_mw.downstream import operation_key
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.keys import MAX_KEY_LENGTH
 from idempotency_mw.metrics import EventHook, guard
+from idempotency_mw.records import KeyState
+from idempotency_mw.retention import FIRST_SENT_HEADER, http_date, parse_http_date
 
 logger = logging.getLogger("idempotency_mw.client")
 
@@ -212,6 +217,8 @@ class ProtocolOptions(TypedDict, total=False):
     keyless: bool
     lease: timedelta
     on_event: ClientEventHook | None
+    lookup_path: str | None
+    first_sent_header: str | None
 
 
 class Protocol:
@@ -237,6 +244,8 @@ class Protocol:
         keyless: bool = False,
         lease: timedelta = DEFAULT_LEASE,
         on_event: ClientEventHook | None = None,
+        lookup_path: str | None = None,
+        first_sent_header: str | None = FIRST_SENT_HEADER,
     ) -> None:
         if key_prefix and not KEY_PART.fullmatch(key_prefix):
             raise ConfigurationError(f"key_prefix must match {KEY_PART.pattern}")
@@ -249,6 +258,12 @@ class Protocol:
             raise ConfigurationError("retention must be positive")
         if lease <= timedelta(0):
             raise ConfigurationError("lease must be positive")
+        if lookup_path is not None and (
+            not lookup_path.startswith("/") or lookup_path.endswith("/")
+        ):
+            raise ConfigurationError("lookup_path must start with '/' and not end with one")
+        if first_sent_header is not None and not _HEADER_NAME.fullmatch(first_sent_header):
+            raise ConfigurationError("first_sent_header must be an HTTP header name")
         self._build = build_request
         self.policy = policy or RetryPolicy()
         self.header_name = header_name
@@ -259,6 +274,9 @@ class Protocol:
         self.probed = probed
         self.retention = retention.total_seconds()
         self.keyless = keyless
+        #: Where the server answers ``GET <lookup_path>/<key>`` (its middleware's option).
+        self.lookup_path = lookup_path
+        self.first_sent_header = first_sent_header
         #: How long a lease lasts, in seconds (renewed every third of it while sending).
         self.lease = lease.total_seconds()
         #: Who holds this client's leases: unique per client, at most 64 characters.
@@ -402,6 +420,8 @@ class Protocol:
         last: httpx.Response | Exception | None = None
         probes = 0  # probes that failed
         at_once = True  # the first retry after a request that never left goes at once
+        looked = False  # the server's lookup was asked since the last attempt
+        warned = False  # the caller was told its retries outlast the server's retention
         while True:
             track.entry = stored
             if _holds_outcome(stored):
@@ -416,6 +436,7 @@ class Protocol:
                 status=stored.status,
                 first_sent_at=stored.first_sent_at,
                 keyless=request.keyless or stored.keyless,
+                response_headers=stored.response_headers,
             )
             maybe = stored.state in MAYBE_DELIVERED
             if maybe and not stored.same_request(request):
@@ -450,6 +471,12 @@ class Protocol:
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     raise (yield from self._give_up(entry, attempt, last, maybe, track))
+                # After an outcome lost on the way (not a server's answer), ask first.
+                if maybe and not looked and not isinstance(last, httpx.Response):
+                    looked = True
+                    entry = yield from self._look_up(entry, remaining, track)
+                    if entry.state.settled:
+                        return _conclude(entry)
                 if not (yield from acquire(entry.key)):
                     logger.warning("lease on %s lost to another caller", key_digest(entry.key))
                     break  # wait for the new holder, then look at the journal again
@@ -459,6 +486,8 @@ class Protocol:
                     entry = replace(entry, state=OperationState.SENT, first_sent_at=sent_at)
                     yield from track.save(entry)
                 last = yield from send(self._request(entry, remaining), entry.key)
+                looked = False
+                entry = self._kept(entry, last)
                 verdict = classify(last)
                 if verdict is Verdict.RAISE:
                     assert isinstance(last, Exception)
@@ -475,6 +504,13 @@ class Protocol:
                     yield from track.save(entry)
                     return _conclude(entry)
                 status = last.status_code if isinstance(last, httpx.Response) else entry.status
+                if verdict is Verdict.EXPIRED:
+                    # The server has no record and will not run it: confirm, never re-send.
+                    maybe = True
+                    entry = replace(entry, state=OperationState.UNKNOWN, status=status)
+                    yield from track.save(entry.noting(KEY_EXPIRES_HEADER, http_date(0)))
+                    entry = track.entry
+                    continue
                 if verdict is Verdict.UNSENDABLE:
                     assert isinstance(last, Exception)
                     state = OperationState.UNKNOWN if maybe else OperationState.FAILED
@@ -494,8 +530,61 @@ class Protocol:
                 logger.info(
                     "retrying %s in %.2fs after %s", key_digest(entry.key), delay, _describe(last)
                 )
+                if not warned:
+                    warned = self._outlasts(entry, deadline)
                 yield Sleep(delay)
             stored = yield from self._take(request, deadline)
+
+    def _look_up(self, entry: JournalEntry, remaining: float, track: _Track) -> Steps[JournalEntry]:
+        """Ask the server what became of ``entry``'s key (when it has a lookup) and journal
+        what it said: the entry settled when the server holds its outcome (its replay, or
+        ``confirmed`` without a response when it took effect without one), else as it was."""
+        if self.lookup_path is None:
+            return entry
+        timeout = self.policy.timeout(remaining)
+        answer = yield from send(
+            lookup_request(self._build, entry, self.lookup_path, timeout), entry.key
+        )
+        found = learned(answer)
+        entry = self._kept(entry, answer).noting(LOOKED_UP_HEADER, found.state)
+        if found.replay is not None and classify(found.replay) in _STATE_AFTER:
+            entry = entry.with_response(_STATE_AFTER[classify(found.replay)], found.replay)
+        elif found.state in (KeyState.COMPLETED, KeyState.COMMITTED):
+            entry = replace(entry, state=OperationState.CONFIRMED, status=found.status)
+        yield from track.save(entry)
+        if found.state == KeyState.COMMITTED:
+            raise CommittedWithoutResponse(
+                "it took effect (the server's lookup says so); its response is not available",
+                entry.key,
+            )
+        return entry
+
+    def _kept(self, entry: JournalEntry, outcome: httpx.Response | Exception) -> JournalEntry:
+        """``entry`` noting until when the server keeps its key, if ``outcome`` says."""
+        if not isinstance(outcome, httpx.Response):
+            return entry
+        value = outcome.headers.get(KEY_EXPIRES_HEADER)
+        if value is None or parse_http_date(value) is None:
+            return entry
+        return entry.noting(KEY_EXPIRES_HEADER, value)
+
+    def _outlasts(self, entry: JournalEntry, deadline: float) -> bool:
+        """Report (an event) that the retries of ``entry`` may go on after the server stops
+        keeping its key; whether they may."""
+        expires = entry.key_expires_at
+        if expires is None or expires >= time.time() + max(deadline - self.clock(), 0.0):
+            return False
+        logger.warning(
+            "the server keeps the key of %s for less time than its retries may take",
+            key_digest(entry.key),
+        )
+        if self._on_event is not None:
+            self._on_event(
+                ClientEvent(
+                    entry.state, entry.state, entry.name, key_digest(entry.key), kept_until=expires
+                )
+            )
+        return True
 
     def _take(self, request: JournalEntry, deadline: float) -> Steps[JournalEntry]:
         """Hold the lease on ``request``'s operation, or wait until its holder settles it or
@@ -540,25 +629,34 @@ class Protocol:
 
     def _must_confirm(self, entry: JournalEntry) -> bool:
         """Whether a lost attempt must be looked up instead of re-sent."""
-        sent = entry.first_sent_at
-        return entry.keyless or (sent is not None and time.time() - sent > self.retention)
+        sent, kept = entry.first_sent_at, entry.key_expires_at
+        return (
+            entry.keyless
+            or (sent is not None and time.time() - sent > self.retention)
+            or (kept is not None and kept <= time.time())
+        )
 
     def _why(self, entry: JournalEntry) -> str:
-        reason = (
-            "the server does not understand keys"
-            if entry.keyless
-            else "its first attempt is older than the client's retention"
-        )
+        kept = entry.key_expires_at
+        if entry.keyless:
+            reason = "the server does not understand keys"
+        elif kept is not None and kept <= time.time():
+            reason = "the server no longer keeps its key"
+        else:
+            reason = "its first attempt is older than the client's retention"
         return f"needs confirmation: {reason}, and no probe is configured for {entry.name!r}"
 
     def _request(self, entry: JournalEntry, remaining: float) -> httpx.Request:
         assert entry.method is not None
         assert entry.url is not None
+        headers = [*entry.headers, (self.header_name, entry.key)]
+        if self.first_sent_header is not None and entry.first_sent_at is not None:
+            headers.append((self.first_sent_header, http_date(entry.first_sent_at)))
         return self._build(
             entry.method,
             entry.url,
             content=entry.body,
-            headers=[*entry.headers, (self.header_name, entry.key)],
+            headers=headers,
             timeout=self.policy.timeout(remaining),
         )
 

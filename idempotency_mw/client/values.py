@@ -13,12 +13,21 @@ import httpx
 
 from idempotency_mw._backoff import Backoff
 from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.retention import parse_http_date
 
 #: Response headers a journal does not keep: credentials, and framing that no longer applies
 #: to the decoded body it stores.
 _UNKEPT_HEADERS = frozenset(
     {"set-cookie", "content-length", "content-encoding", "transfer-encoding", "connection"}
 )
+
+
+#: The server's word on until when it keeps an operation's key (an HTTP-date), journaled with
+#: the entry's response headers from every answer that says it.
+KEY_EXPIRES_HEADER = "idempotency-key-expires"
+#: What the last lookup of the key found (``unknown``, ``in-progress``, ``completed``, ...),
+#: journaled beside it.
+LOOKED_UP_HEADER = "idempotency-mw-lookup"
 
 
 class OperationState(enum.StrEnum):
@@ -128,6 +137,20 @@ class JournalEntry:
             response_headers=headers,
             response_body=response.content,
         )
+
+    @property
+    def key_expires_at(self) -> float | None:
+        """Until when the server said it keeps the key (Unix seconds), if it said."""
+        for name, value in self.response_headers:
+            if name == KEY_EXPIRES_HEADER:
+                return parse_http_date(value)
+        return None
+
+    def noting(self, name: str, value: str) -> JournalEntry:
+        """This entry with the response header ``name`` (one of the notes above) set to
+        ``value``, in place of any it held."""
+        kept = tuple((n, v) for n, v in self.response_headers if n != name)
+        return replace(self, response_headers=(*kept, (name, value)))
 
     def same_request(self, other: JournalEntry) -> bool:
         """Whether ``other`` sends what this entry sent: method, path and query, and body (the
