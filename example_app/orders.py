@@ -3,7 +3,11 @@
 Each is one step of an order saga in ``example_app.saga_demo``, with its compensation
 (release a reservation, refund a charge). Like most real APIs, none of them is idempotent by
 itself: every request that runs reserves, charges, releases, refunds or mails once more, so
-only the ``Idempotency-Key`` keeps a retry from doing it twice. Mail to the domain
+only the ``Idempotency-Key`` keeps a retry from doing it twice. A charge goes through a card
+network (a table standing in for a provider such as Stripe) that honours an idempotency key of
+its own: the charge sends it ``downstream_key("card-network")``, so a charge that runs twice for
+one request (its worker died after the network charged) is charged by the network once. Mail to
+the domain
 ``bounce.example`` is refused, and so is the refund of a charge of
 :data:`REFUND_APPROVAL_CENTS` or more (a person has to approve it): 422 problems of the
 service's own.
@@ -21,7 +25,7 @@ from sqlalchemy import Column, Integer, MetaData, Row, String, Table, insert, se
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from starlette.requests import HTTPConnection
 
-from idempotency_mw import idempotent
+from idempotency_mw import downstream_key, idempotent
 
 UNDELIVERABLE_DOMAIN = "bounce.example"
 MAILBOX_UNAVAILABLE = "urn:example:problem:mailbox-unavailable"
@@ -53,6 +57,16 @@ charges = Table(
     Column("order_ref", String(100), nullable=False),
     Column("amount_cents", Integer, nullable=False),
     Column("status", String(16), nullable=False),  # captured | refunded
+)
+#: The card network's own record of what it charged: one row per idempotency key.
+card_network = Table(
+    "example_card_network",
+    orders_metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("idempotency_key", String(64), nullable=False, unique=True),
+    Column("caller", String(100), nullable=False),
+    Column("order_ref", String(100), nullable=False),
+    Column("amount_cents", Integer, nullable=False),
 )
 refunds = Table(
     "example_refunds",
@@ -142,6 +156,7 @@ def add_order_routes(
     @router.post("/payments/charges", status_code=201)
     @idempotent(required=True)
     async def charge(payment: ChargeIn, request: Request) -> Charge:
+        await _charge_card(engine, downstream_key("card-network"), caller_of(request), payment)
         async with engine.begin() as conn:
             result = await conn.execute(
                 insert(charges).values(
@@ -199,6 +214,23 @@ def add_order_routes(
             )
         (new_id,) = result.inserted_primary_key or (0,)
         return OrderEmail(id=new_id, **email.model_dump())
+
+
+async def _charge_card(engine: AsyncEngine, key: str, caller: str, payment: ChargeIn) -> None:
+    """The card network's charge: once per idempotency key, as a provider's API keeps it."""
+    async with engine.begin() as conn:
+        done = await conn.scalar(
+            select(card_network.c.id).where(card_network.c.idempotency_key == key)
+        )
+        if done is None:
+            await conn.execute(
+                insert(card_network).values(
+                    idempotency_key=key,
+                    caller=caller,
+                    order_ref=payment.order,
+                    amount_cents=payment.amount_cents,
+                )
+            )
 
 
 def _problem(kind: str, title: str, detail: str) -> JSONResponse:

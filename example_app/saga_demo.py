@@ -11,7 +11,9 @@ orders is done, the agent is killed (SIGKILL) and started again.
 It runs twice: with :class:`~idempotency_mw.client.Saga` (a journal, one key per step, resumed
 after the crash), and with a naive agent (a new key per attempt, a list of finished orders
 instead of a journal). The invariants are checked in the service's own tables, and the exit
-status is 0 only when the saga run kept every one of them.
+status is 0 only when the saga run kept every one of them. The service's charge goes on to a
+card network under ``downstream_key("card-network")``: one network charge per charge request,
+however often its handler ran (a duplicate there is an invariant of its own).
 """
 
 from __future__ import annotations
@@ -362,6 +364,7 @@ def check_invariants(
 
         reservations = per_order("SELECT order_ref FROM example_reservations WHERE caller = ?")
         charges = per_order("SELECT order_ref FROM example_charges WHERE caller = ?")
+        network = per_order("SELECT order_ref FROM example_card_network WHERE caller = ?")
         emails = per_order("SELECT order_ref FROM example_order_emails WHERE caller = ?")
         reserved = per_order(
             "SELECT order_ref FROM example_reservations WHERE caller = ? AND status = 'reserved'"
@@ -388,6 +391,7 @@ def check_invariants(
         "order without an outcome": sum(1 for ref in refs if ref not in outcomes),
         "duplicate reservation": sum(1 for n in reservations.values() if n > 1),
         "duplicate charge": sum(1 for n in charges.values() if n > 1),
+        "duplicate card-network charge": sum(1 for n in network.values() if n > 1),
         "duplicate email": sum(1 for n in emails.values() if n > 1),
         "duplicate release": len(releases),
         "duplicate refund": len(refunds),
