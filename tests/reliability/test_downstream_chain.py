@@ -16,8 +16,14 @@ import anyio.to_thread
 import httpx
 import pytest
 
-from idempotency_mw import RedisStore
-from tests.conftest import POSTGRESQL_URL, REDIS_URL, fresh_sql_store, require_server
+from tests.conftest import (
+    POSTGRESQL_URL,
+    REDIS_URL,
+    forget_redis_prefix,
+    fresh_sql_store,
+    redis_prefix,
+    require_server,
+)
 from tests.support.chain_app import chain_env, create_orders, create_payments
 from tests.support.faults import ServerProcess, serve
 from tests.support.reliability_app import Effects, store_from_url
@@ -30,15 +36,11 @@ LEASE = 1.0
 @pytest.fixture(params=["sqlite", "postgresql", "redis"])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
     """A store URL both services keep their records in (each its own), and a Redis prefix."""
-    prefix = f"test-chain-{uuid.uuid4().hex}:"
+    prefix = redis_prefix("chain")
     if request.param == "redis":
         require_server(REDIS_URL)
         yield REDIS_URL, prefix
-        cleaner = RedisStore(REDIS_URL, prefix=prefix, transport="redis-py")
-        keys = [key async for key in cleaner.client.scan_iter(match=f"{prefix}*")]
-        if keys:
-            await cleaner.client.delete(*keys)
-        await cleaner.aclose()
+        forget_redis_prefix(prefix)
         return
     url = (
         f"sqlite:///{tmp_path / 'idempotency.db'}" if request.param == "sqlite" else POSTGRESQL_URL
