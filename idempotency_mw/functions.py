@@ -367,15 +367,18 @@ class IdempotentFunctions:
             "retry with the same key"
         )
 
-    async def lookup(self, key: str, *, binding: str = "") -> RecordState | None:
-        """What became of ``key`` without running anything: its record's state, or ``None``
-        when there is none (never called, expired, or bound to other credentials than
-        ``binding``). Raises :class:`~idempotency_mw.ConfigurationError` when the store
-        cannot look keys up (see :class:`~idempotency_mw.stores.base.KeyLookup`)."""
+    async def lookup(
+        self, key: str, *, scope: str | None = None, binding: str = ""
+    ) -> RecordState | None:
+        """What became of ``key`` (in ``scope``, default this instance's) without running
+        anything: its record's state, or ``None`` when there is none (never called, expired,
+        or bound to other credentials than ``binding``). Raises
+        :class:`~idempotency_mw.ConfigurationError` when the store cannot look keys up (see
+        :class:`~idempotency_mw.stores.base.KeyLookup`)."""
         store = self.engine.store
         if not isinstance(store, KeyLookup):
             raise ConfigurationError(f"{store!r} cannot look keys up")
-        return await store.lookup(self.scope, key, binding=binding)
+        return await store.lookup(scope or self.scope, key, binding=binding)
 
     def _stored(self, result: Any, call: Call) -> StoredResponse | None:
         """The result as recorded, or ``None``: it ran, but a repeat cannot be given it."""
