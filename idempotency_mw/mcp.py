@@ -8,7 +8,10 @@ credentials. A call leaves behind what an HTTP request would: what the tool retu
 session, any transport) gets it framed for its own request; an unexpected exception releases
 the key, like a 500, unless its effect committed (``fence()``): that call and its retries are
 told so. A client that goes away never stops a tool that started. Calls without a key, and
-every other method, are untouched. Needs the ``[mcp]`` extra.
+every other method, are untouched. A call may say when its caller first sent it
+(``_meta["idempotencyFirstSent"]``): one first sent longer ago than ``ttl`` whose key has no
+record is refused, never run. The extension also serves :data:`LOOKUP_METHOD`, a caller's look
+at its own key without calling the tool. Needs the ``[mcp]`` extra.
 """
 
 from __future__ import annotations
@@ -25,10 +28,18 @@ from typing import Any
 
 import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
-from mcp.server.extension import Extension
+from mcp.server.extension import Extension, MethodBinding
 from mcp.server.request_state import authenticated_principal
 from mcp.shared.exceptions import MCPError
-from mcp_types import INVALID_PARAMS, CallToolRequestParams, CallToolResult, ErrorData, TextContent
+from mcp_types import (
+    INVALID_PARAMS,
+    CallToolRequestParams,
+    CallToolResult,
+    ErrorData,
+    RequestParams,
+    Result,
+    TextContent,
+)
 from starlette.requests import HTTPConnection
 
 from idempotency_mw.exceptions import IdempotencyError, LeaseLost, StoreError
@@ -39,14 +50,17 @@ from idempotency_mw.functions import (
     CommittedWithoutResult,
     CredentialMismatch,
     IdempotentFunctions,
+    KeyExpired,
     KeyReused,
     ResultNotReplayable,
     StillRunning,
 )
 from idempotency_mw.keys import is_valid_key, key_rule
+from idempotency_mw.lookup import state_json
 from idempotency_mw.metrics import EventHook
 from idempotency_mw.policy import Duration
 from idempotency_mw.problems import RETRYABLE, Problem
+from idempotency_mw.retention import parse_first_sent
 from idempotency_mw.stores.base import Store
 
 logger = logging.getLogger("idempotency_mw")
@@ -58,6 +72,11 @@ META_KEY = "idempotencyKey"
 IDEMPOTENCY_ERROR = -32030
 #: What a protected tool's ``_meta`` says, so that an agent can tell it from another.
 TOOL_META: dict[str, Any] = {"idempotency": {"key": f"_meta.{META_KEY}"}}
+#: Where a call says when its caller first sent it: an HTTP-date or an RFC 3339 date-time.
+FIRST_SENT_META = "idempotencyFirstSent"
+#: The request method that looks a key up: ``{"key": ...}`` answers a
+#: :class:`KeyLookupResult`, for the caller the key is bound to.
+LOOKUP_METHOD = "idempotency/lookup"
 #: Set in the ``_meta`` of a result that was replayed rather than run.
 REPLAYED_META = "idempotencyReplayed"
 #: Set in the ``_meta`` of the ``isError`` result of a tool that crashed: nothing was recorded
@@ -141,8 +160,26 @@ class IdempotentTools(Extension):
     def settings(self) -> dict[str, Any]:
         return {
             "key": f"_meta.{META_KEY}",
+            "firstSent": f"_meta.{FIRST_SENT_META}",
+            "lookup": LOOKUP_METHOD,
             "tools": None if self.protected is None else sorted(self.protected),
         }
+
+    def methods(self) -> list[MethodBinding]:
+        return [MethodBinding(LOOKUP_METHOD, LookupParams, self._lookup)]
+
+    async def _lookup(self, ctx: ServerRequestContext[Any, Any], params: Any) -> HandlerResult:
+        """What became of the caller's key, without running anything (another caller's key
+        reads as one never seen)."""
+        assert isinstance(params, LookupParams)
+        if not is_valid_key(params.key):
+            raise MCPError(INVALID_PARAMS, key_rule("key"))
+        scope, binding = await self._caller(ctx)
+        try:
+            state = await self.functions.lookup(params.key, scope=scope, binding=binding)
+        except StoreError as exc:
+            raise refusal(exc) from exc
+        return KeyLookupResult.model_validate(state_json(state))
 
     @asynccontextmanager
     async def lifespan(self, server: object) -> AsyncIterator[dict[str, Any]]:
@@ -170,6 +207,13 @@ class IdempotentTools(Extension):
                 current_claim.reset(reset)
         if not is_valid_key(key):
             raise MCPError(INVALID_PARAMS, key_rule(f"_meta.{META_KEY}"))
+        sent = (params.meta or {}).get(FIRST_SENT_META)
+        first_sent = None if sent is None else parse_first_sent(sent)
+        if sent is not None and first_sent is None:
+            raise MCPError(
+                INVALID_PARAMS,
+                f"_meta.{FIRST_SENT_META} must be an HTTP-date or an RFC 3339 date-time",
+            )
         scope, binding = await self._caller(ctx)
         name = params.name
 
@@ -191,6 +235,7 @@ class IdempotentTools(Extension):
                 name=name,
                 scope=scope,
                 binding=binding,
+                first_sent=first_sent,
             )
         except _Unrecorded as unrecorded:
             return unrecorded.result
@@ -226,6 +271,23 @@ class IdempotentTools(Extension):
     async def aclose(self) -> None:
         """Wait for store calls still running for ended calls; the store stays open."""
         await self.functions.aclose()
+
+
+class LookupParams(RequestParams):
+    """The params of :data:`LOOKUP_METHOD`: the key to look up."""
+
+    key: str
+
+
+class KeyLookupResult(Result):
+    """What :data:`LOOKUP_METHOD` answers: what the middleware's lookup answers over HTTP
+    (see :func:`~idempotency_mw.lookup.state_json`), its names in camelCase on the wire."""
+
+    state: str
+    expires_at: str | None = None
+    lease_until: str | None = None
+    status: int | None = None
+    replayable: bool | None = None
 
 
 def caller_binding(ctx: ServerRequestContext[Any, Any]) -> str:
@@ -308,6 +370,7 @@ _PROBLEMS: list[tuple[type[IdempotencyError], Problem, int]] = [
     (StillRunning, Problem.IN_PROGRESS, 409),
     (ResultNotReplayable, Problem.UNREPLAYABLE, 409),
     (CommittedWithoutResult, Problem.COMMITTED_WITHOUT_RESPONSE, 409),
+    (KeyExpired, Problem.EXPIRED_KEY, 412),
     (LeaseLost, Problem.LEASE_LOST, 503),
     (StoreError, Problem.STORE_UNAVAILABLE, 503),
 ]

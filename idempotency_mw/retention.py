@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import UTC
+from datetime import UTC, datetime
 from email.utils import formatdate, parsedate_to_datetime
 
 from starlette.types import Message, Send
@@ -44,6 +44,18 @@ def parse_http_date(value: str) -> float | None:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return moment.timestamp()
+
+
+def parse_first_sent(value: object) -> float | None:
+    """The Unix time of a first-sent time given as JSON (MCP's ``_meta``): an HTTP-date, or an
+    RFC 3339 date-time with its offset; ``None`` for anything else."""
+    if not isinstance(value, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        return parse_http_date(value)
+    return moment.timestamp() if moment.tzinfo is not None else None
 
 
 def too_old(first_sent: float | None, ttl: float, now: float) -> bool:

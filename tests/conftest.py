@@ -349,6 +349,15 @@ def store(fake_time: FakeTime) -> MemoryStore:
 PERSISTENT_STORES = [*DATABASES, "redis"]
 
 
+@pytest.fixture(params=["sqlite-url", "postgresql-url", "redis-url"])
+async def backend_store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """An empty store on SQLite, PostgreSQL and Redis in turn, made from a URL: for tests of
+    what a caller sees on each kind of backend (the contract suite covers every way to build
+    one)."""
+    async with built_store(request.param, request) as made:
+        yield made
+
+
 # ---------------------------------------------------------------- store servers of the test's own
 
 

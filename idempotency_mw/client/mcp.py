@@ -40,9 +40,12 @@ from idempotency_mw.client.protocol import ProtocolOptions
 from idempotency_mw.client.saga import AsyncStepClient
 from idempotency_mw.client.values import Operation
 from idempotency_mw.exceptions import ConfigurationError, describe
+from idempotency_mw.retention import FIRST_SENT_HEADER
 
 #: Where the key goes in a ``tools/call`` request's ``_meta``.
 META_KEY = "idempotencyKey"
+#: Where the time the call was first sent goes (``idempotency_mw.mcp.FIRST_SENT_META``).
+FIRST_SENT_META = "idempotencyFirstSent"
 #: In the ``_meta`` of a tool's ``isError`` result when the tool crashed and the server
 #: released its key (``idempotency_mw.mcp.RETRY_META``): sent again, as an HTTP 500 is.
 RETRY_META = "idempotencyRetry"
@@ -50,11 +53,13 @@ RETRY_META = "idempotencyRetry"
 TOOLS_URL = "http://mcp.tools"
 
 
-def key_meta(key: str) -> RequestParamsMeta:
-    """The ``_meta`` of a ``tools/call`` that carries ``key``: ``call_tool(..., meta=...)``."""
+def key_meta(key: str, first_sent: str | None = None) -> RequestParamsMeta:
+    """The ``_meta`` of a ``tools/call`` that carries ``key`` (and, given, when the call was
+    first sent: an HTTP-date): ``call_tool(..., meta=...)``."""
+    meta = {META_KEY: key} if first_sent is None else {META_KEY: key, FIRST_SENT_META: first_sent}
     # RequestParamsMeta is an open TypedDict (extra_items=Any), which type checkers do not
     # all know yet: they would refuse its extra key.
-    return cast(RequestParamsMeta, {META_KEY: key})
+    return cast(RequestParamsMeta, meta)
 
 
 # The session could not be used, whether or not the call had reached the server.
@@ -121,10 +126,10 @@ def tool_result(response: httpx.Response, *, key: str = "") -> CallToolResult:
 
 
 class ToolTransport(httpx.AsyncBaseTransport):
-    """Carries ``POST /tools/<name>`` (JSON arguments, the key in ``header_name``) as
-    ``tools/call`` over ``session`` (yours: it is never closed here) or, given ``connect``, a
-    session of each attempt's own, opened and closed within it, so that a broken connection is
-    replaced at the next attempt.
+    """Carries ``POST /tools/<name>`` (JSON arguments, the key in ``header_name``, the time it
+    was first sent in ``first_sent_header``) as ``tools/call`` over ``session`` (yours: it is
+    never closed here) or, given ``connect``, a session of each attempt's own, opened and
+    closed within it, so that a broken connection is replaced at the next attempt.
 
     The answers read like HTTP, so that the client's rules apply unchanged: a result is 200,
     a tool's error 422 (final: it ran and said no) or 500 when the tool crashed and the server
@@ -141,12 +146,14 @@ class ToolTransport(httpx.AsyncBaseTransport):
         *,
         connect: Connect | None = None,
         header_name: str = "Idempotency-Key",
+        first_sent_header: str | None = FIRST_SENT_HEADER,
     ) -> None:
         if (session is None) == (connect is None):
             raise ConfigurationError("give an MCP session, or connect= to open one per attempt")
         self._session = session
         self._connect = connect
         self._header = header_name
+        self._first_sent = first_sent_header
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._session is not None:
@@ -189,12 +196,13 @@ class ToolTransport(httpx.AsyncBaseTransport):
         name = request.url.path.removeprefix("/tools/")
         arguments = json.loads(await request.aread() or b"{}")
         key = request.headers.get(self._header)
+        sent = None if self._first_sent is None else request.headers.get(self._first_sent)
         timeout = request.extensions.get("timeout", {}).get("read")
         try:
             # The timeout is the caller's own, so that it is never mistaken for an answer.
             with anyio.fail_after(timeout):
                 result = await session.call_tool(
-                    name, arguments or None, meta=None if key is None else key_meta(key)
+                    name, arguments or None, meta=None if key is None else key_meta(key, sent)
                 )
         except TimeoutError as exc:
             lost = f"tools/call {name}: no answer within {timeout} s"
@@ -263,8 +271,12 @@ class IdempotentToolCaller(AClosedOnExit):
         clock: Callable[[], float] = time.monotonic,
         **options: Unpack[ProtocolOptions],
     ) -> None:
-        header = options.get("header_name", "Idempotency-Key")
-        transport = ToolTransport(session, connect=connect, header_name=header)
+        transport = ToolTransport(
+            session,
+            connect=connect,
+            header_name=options.get("header_name", "Idempotency-Key"),
+            first_sent_header=options.get("first_sent_header", FIRST_SENT_HEADER),
+        )
         self.client = IdempotentClient(
             http=httpx.AsyncClient(transport=transport, base_url=TOOLS_URL),
             journal=journal,

@@ -5,7 +5,6 @@ downstream keys are the same on every run of the call."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,17 +20,16 @@ from idempotency_mw import (
     downstream_key,
 )
 from idempotency_mw.records import KeyState
-from tests.conftest import built_store
 
 pytestmark = pytest.mark.anyio
 
 RETENTION = 2.0
 
 
-@pytest.fixture(params=["sqlite-url", "postgresql-url", "redis-url"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    async with built_store(request.param, request) as made:
-        yield made
+@pytest.fixture
+def store(backend_store: Store) -> Store:
+    """SQLite, PostgreSQL and Redis in turn."""
+    return backend_store
 
 
 async def test_a_call_first_sent_before_the_retention_and_the_purge_runs_nothing(

@@ -133,6 +133,8 @@ async def test_protection_is_advertised(server: MCPServer) -> None:
     assert "idempotency" not in (tools["echo"].meta or {})
     assert extensions[IdempotentTools.identifier] == {
         "key": "_meta.idempotencyKey",
+        "firstSent": "_meta.idempotencyFirstSent",
+        "lookup": "idempotency/lookup",
         "tools": ["charge", "create_ticket"],
     }
 

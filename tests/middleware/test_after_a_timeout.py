@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from datetime import datetime
 from email.utils import formatdate, parsedate_to_datetime
 from typing import Any
@@ -17,7 +16,6 @@ from fastapi import FastAPI
 
 from idempotency_mw import IdempotencyMiddleware, Store, idempotent
 from idempotency_mw.retention import FIRST_SENT_SKEW
-from tests.conftest import built_store
 from tests.support.apps import Gate, client_for
 
 pytestmark = pytest.mark.anyio
@@ -26,10 +24,10 @@ RETENTION = 2.0
 EXPIRED_KEY = "urn:idempotency-mw:problem:expired-key"
 
 
-@pytest.fixture(params=["sqlite-url", "postgresql-url", "redis-url"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    async with built_store(request.param, request) as made:
-        yield made
+@pytest.fixture
+def store(backend_store: Store) -> Store:
+    """SQLite, PostgreSQL and Redis in turn."""
+    return backend_store
 
 
 def service(store: Store, **options: Any) -> FastAPI:
