@@ -340,7 +340,11 @@ class Exchange:
                 return None
             self.answers.ran(self.settings.ttl, self.settings.release_statuses)
             return claim
-        self.answers.found(claim.expires_at)
+        if claim.outcome is ClaimOutcome.IN_PROGRESS:
+            # Kept until ttl after the running request's completion: later than now + ttl.
+            self.answers.ran(self.settings.ttl)
+        else:
+            self.answers.found(claim.expires_at)
         if claim.outcome is ClaimOutcome.REPLAY:
             assert claim.response is not None
             await send_replay(self.send, claim.response)

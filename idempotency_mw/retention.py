@@ -98,9 +98,10 @@ class KeyAnswers:
         """The claim found the caller's record, kept until ``expires_at`` (if known)."""
         self._expires_at = expires_at
 
-    def ran(self, ttl: float, released: frozenset[int]) -> None:
-        """The claim was acquired: its answer is kept ``ttl`` unless its status is
-        ``released`` (or a 5xx, which releases the key)."""
+    def ran(self, ttl: float, released: frozenset[int] = frozenset()) -> None:
+        """The key's record is kept ``ttl`` from the answer's end at least, unless its status
+        is ``released`` (or a 5xx, which releases the key): the claim was acquired, or another
+        request holds the key (its record is kept ``ttl`` from its completion)."""
         self._ttl, self._released = ttl, released
 
     def reject(self) -> None:

@@ -245,3 +245,17 @@ async def test_every_keyed_answer_says_until_when_its_key_is_kept(store: Store) 
     assert "Idempotency-Key-Expires" in operation["responses"]["201"]["headers"]
     assert "412" in operation["responses"]
     assert "get" in schema["paths"]["/idempotency-keys/{key}"]
+
+
+async def test_a_key_in_progress_past_its_ttl_is_said_to_be_kept_beyond_now(store: Store) -> None:
+    """A record in progress outlives its TTL while its lease holds, and is kept ``ttl`` from
+    its completion: a 409 never says a date already past."""
+    app = service(store, lease=30, ttl=1)
+    async with client_for(app) as client, anyio.create_task_group() as group:
+        group.start_soon(lambda: client.post("/held", headers={"Idempotency-Key": "long"}))
+        await app.state.gate.entered.wait()
+        await anyio.sleep(1.2)
+        busy = await client.post("/held", headers={"Idempotency-Key": "long"})
+        app.state.gate.opened.set()
+    assert busy.status_code == 409
+    assert expires(busy) >= time.time()
