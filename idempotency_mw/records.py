@@ -106,7 +106,8 @@ def record_state(
     if expires <= now and not (in_progress and lease_ends > now):
         return None
     if in_progress and not (fenced and lease_ends <= now):
-        return RecordState(KeyState.IN_PROGRESS, expires, lease_until=lease_ends)
+        # Kept while its lease holds, even past its TTL (and ttl from its completion).
+        return RecordState(KeyState.IN_PROGRESS, max(expires, lease_ends), lease_until=lease_ends)
     if in_progress or status == RecordStatus.COMMITTED.value:
         return RecordState(KeyState.COMMITTED, expires)
     return RecordState(

@@ -119,3 +119,15 @@ async def test_a_fenced_effect_whose_claim_was_given_up_is_committed(
         found = await made.lookup("", "k")
         assert found is not None
         assert found.state is KeyState.COMMITTED
+
+
+async def test_a_claim_in_progress_past_its_ttl_is_kept_while_its_lease_holds(
+    store: Both,
+) -> None:
+    claim = await store.claim("", "k", "f", ttl=0.05, lease=LEASE)
+    assert claim.outcome is ClaimOutcome.ACQUIRED
+    await anyio.sleep(0.1)
+    found = await store.lookup("", "k")
+    assert found is not None
+    assert found.state is KeyState.IN_PROGRESS
+    assert found.expires_at == found.lease_until
