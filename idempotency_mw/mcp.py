@@ -179,7 +179,12 @@ class IdempotentTools(Extension):
             state = await self.functions.lookup(params.key, scope=scope, binding=binding)
         except StoreError as exc:
             raise refusal(exc) from exc
-        return KeyLookupResult.model_validate(state_json(state))
+        found = KeyLookupResult.model_validate(state_json(state))
+        recorded = None if state is None or state.response is None else state.response.body
+        replay = None if recorded is None else self.functions.codec.decode(recorded)
+        if isinstance(replay, CallToolResult):
+            found.result = replay.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return found
 
     @asynccontextmanager
     async def lifespan(self, server: object) -> AsyncIterator[dict[str, Any]]:
@@ -281,13 +286,16 @@ class LookupParams(RequestParams):
 
 class KeyLookupResult(Result):
     """What :data:`LOOKUP_METHOD` answers: what the middleware's lookup answers over HTTP
-    (see :func:`~idempotency_mw.lookup.state_json`), its names in camelCase on the wire."""
+    (see :func:`~idempotency_mw.lookup.state_json`), its names in camelCase on the wire, and
+    the recorded tool result as a retry would get it replayed (``result``), when there is one.
+    """
 
     state: str
     expires_at: str | None = None
     lease_until: str | None = None
     status: int | None = None
     replayable: bool | None = None
+    result: dict[str, Any] | None = None
 
 
 def caller_binding(ctx: ServerRequestContext[Any, Any]) -> str:

@@ -28,6 +28,7 @@ from mcp_types import (
     REQUEST_TIMEOUT,
     CallToolResult,
     ErrorData,
+    Request,
     RequestParamsMeta,
 )
 
@@ -40,6 +41,7 @@ from idempotency_mw.client.protocol import ProtocolOptions
 from idempotency_mw.client.saga import AsyncStepClient
 from idempotency_mw.client.values import Operation
 from idempotency_mw.exceptions import ConfigurationError, describe
+from idempotency_mw.mcp import LOOKUP_METHOD, KeyLookupResult, LookupParams
 from idempotency_mw.retention import FIRST_SENT_HEADER
 
 #: Where the key goes in a ``tools/call`` request's ``_meta``.
@@ -51,6 +53,9 @@ FIRST_SENT_META = "idempotencyFirstSent"
 RETRY_META = "idempotencyRetry"
 #: The base URL of the requests :class:`ToolTransport` carries (never resolved).
 TOOLS_URL = "http://mcp.tools"
+#: The ``lookup_path`` :class:`IdempotentToolCaller` gives its client: its ``GET <path>/<key>``
+#: is carried as the server's :data:`~idempotency_mw.mcp.LOOKUP_METHOD` request.
+LOOKUP_PATH = "/idempotency-keys"
 
 
 def key_meta(key: str, first_sent: str | None = None) -> RequestParamsMeta:
@@ -94,7 +99,10 @@ class ToolCallError(OperationError):
 
 
 class ToolSession(Protocol):
-    """What a call needs of an MCP session: ``mcp.ClientSession`` and ``mcp.client.Client``."""
+    """What a call needs of an MCP session: ``mcp.ClientSession`` and ``mcp.client.Client``.
+    A lookup of a key goes through ``send_request``: the session's own, or its ``session``'s
+    (a ``Client``'s); a session that has neither answers lookups 404 (the call is sent
+    again)."""
 
     async def call_tool(
         self,
@@ -157,7 +165,7 @@ class ToolTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._session is not None:
-            outcome = await self._call(self._session, request)
+            outcome = await self._carry(self._session, request)
         else:
             outcome = await self._call_in_own_session(request)
         if isinstance(outcome, Exception):
@@ -181,7 +189,7 @@ class ToolTransport(httpx.AsyncBaseTransport):
                         httpx.ConnectError(f"no MCP session: {describe(exc)}", request=request),
                         exc,
                     )
-                outcome = await self._call(session, request)
+                outcome = await self._carry(session, request)
         except Exception as exc:
             if outcome is not None:
                 return outcome  # the session failed as it closed, after the call's outcome
@@ -189,6 +197,40 @@ class ToolTransport(httpx.AsyncBaseTransport):
             return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
         assert outcome is not None
         return outcome
+
+    async def _carry(
+        self, session: ToolSession, request: httpx.Request
+    ) -> httpx.Response | httpx.TransportError:
+        if request.method == "GET":  # the client asks what became of a key
+            return await self._look_up(session, request)
+        return await self._call(session, request)
+
+    async def _look_up(
+        self, session: ToolSession, request: httpx.Request
+    ) -> httpx.Response | httpx.TransportError:
+        """``GET <lookup path>/<key>`` as the server's lookup: the recorded result replayed
+        (as :meth:`_call` answers a result), else the key's state as the middleware's lookup
+        answers it; a server without the lookup answers 404 (the client then sends again)."""
+        key = request.url.path.rpartition("/")[2]
+        asked = Request[LookupParams, str](method=LOOKUP_METHOD, params=LookupParams(key=key))
+        timeout = request.extensions.get("timeout", {}).get("read")
+        # A Client holds its ClientSession as .session; a ClientSession is its own.
+        sender: Any = getattr(session, "session", session)
+        if not hasattr(sender, "send_request"):
+            return httpx.Response(404, json={"error": "no lookup on this session"}, request=request)
+        try:
+            with anyio.fail_after(timeout):
+                found = await sender.send_request(asked, KeyLookupResult)
+        except TimeoutError as exc:
+            return _caused(httpx.ReadTimeout(f"{LOOKUP_METHOD}: no answer", request=request), exc)
+        except (MCPError, *_BROKEN) as exc:
+            return httpx.Response(404, json={"error": describe(exc)}, request=request)
+        if found.result is not None:
+            replay = _result_response(CallToolResult.model_validate(found.result), request)
+            replay.headers["idempotent-replayed"] = "true"
+            return replay
+        state = found.model_dump(mode="json", exclude_none=True, exclude={"meta", "result"})
+        return httpx.Response(200, json=state, request=request)
 
     async def _call(
         self, session: ToolSession, request: httpx.Request
@@ -222,11 +264,17 @@ class ToolTransport(httpx.AsyncBaseTransport):
         except _BROKEN as exc:
             lost = f"tools/call {name}: {describe(exc)}"
             return _caused(httpx.RemoteProtocolError(lost, request=request), exc)
-        body = result.model_dump(mode="json", by_alias=True, exclude_none=True)
-        if not result.is_error:
-            return httpx.Response(200, json=body, request=request)
-        retry = (result.meta or {}).get(RETRY_META) is True
-        return httpx.Response(500 if retry else 422, json=body, request=request)
+        return _result_response(result, request)
+
+
+def _result_response(result: CallToolResult, request: httpx.Request) -> httpx.Response:
+    """A tool's result as an answer: 200, 422 for its error, or 500 when the tool crashed and
+    the server released its key."""
+    body = result.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if not result.is_error:
+        return httpx.Response(200, json=body, request=request)
+    retry = (result.meta or {}).get(RETRY_META) is True
+    return httpx.Response(500 if retry else 422, json=body, request=request)
 
 
 def _problem_response(problem: dict[str, Any], request: httpx.Request) -> httpx.Response:
@@ -256,7 +304,9 @@ class IdempotentToolCaller(AClosedOnExit):
     manager of your own that yields a ``ClientSession``), so a broken one is replaced.
     :meth:`call_tool` with ``ref`` names a logical call: the same tool and ``ref`` (in this
     process, or another after a restart) is the same key, and a settled call is answered from
-    the journal. Options are :class:`IdempotentClient`'s; ``client`` is the client underneath,
+    the journal; a call whose answer was lost is looked up on the server (its
+    ``idempotency/lookup``) before it is sent again. Options are :class:`IdempotentClient`'s
+    (``lookup_path=None`` turns the lookup off); ``client`` is the client underneath,
     for :class:`Saga` steps (see :class:`ToolStep`), ``reconcile()`` and ``attention()``.
     """
 
@@ -277,13 +327,14 @@ class IdempotentToolCaller(AClosedOnExit):
             header_name=options.get("header_name", "Idempotency-Key"),
             first_sent_header=options.get("first_sent_header", FIRST_SENT_HEADER),
         )
+        settings: ProtocolOptions = {"lookup_path": LOOKUP_PATH, **options}
         self.client = IdempotentClient(
             http=httpx.AsyncClient(transport=transport, base_url=TOOLS_URL),
             journal=journal,
             confirm=confirm,
             sleep=sleep,
             clock=clock,
-            **options,
+            **settings,
         )
 
     async def operation(self, tool: str, *, ref: str | None = None) -> Operation:

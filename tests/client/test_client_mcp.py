@@ -166,7 +166,7 @@ async def test_a_broken_session_is_replaced_and_the_call_keeps_its_key(
     ) as caller:
         result = await caller.call_tool("create_ticket", {"title": "t"}, ref="T-1")
     assert not result.is_error
-    assert len(opened) == 2  # a new session for the retry
+    assert len(opened) == 3  # a new session for the lookup of the key, and for the retry
     keys = tools.keys("create_ticket")
     assert len(keys) == 2
     assert keys[0] is not None

@@ -15,7 +15,7 @@ import pytest
 from mcp.client.client import Client
 from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
-from mcp_types import INVALID_PARAMS, Request, RequestParamsMeta
+from mcp_types import INVALID_PARAMS, CallToolResult, Request, RequestParamsMeta
 
 from idempotency_mw import Store, downstream_key
 from idempotency_mw.client import OperationState
@@ -23,6 +23,7 @@ from idempotency_mw.client.mcp import IdempotentToolCaller, key_meta
 from idempotency_mw.mcp import (
     IDEMPOTENCY_ERROR,
     LOOKUP_METHOD,
+    REPLAYED_META,
     IdempotentTools,
     KeyLookupResult,
     LookupParams,
@@ -153,3 +154,51 @@ async def test_the_caller_sends_its_first_sent_time_and_confirms_a_refused_retry
         [settled] = await caller.client.reconcile()
     assert settled.state is OperationState.NEEDS_CONFIRMATION
     assert runs == []
+
+
+class LosesTheFirstAnswer:
+    """A session whose first ``tools/call`` reaches the server (the tool runs) and whose
+    answer is lost on the way back, as a broken connection loses it."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.calls = 0
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+        read_timeout_seconds: float | None = None,
+        progress_callback: Any = None,
+        *,
+        meta: Any = None,
+    ) -> CallToolResult:
+        self.calls += 1
+        result = await self.client.call_tool(name, arguments, meta=meta)
+        if self.calls == 1:
+            raise anyio.BrokenResourceError
+        return result
+
+
+class LookingUp(LosesTheFirstAnswer):
+    """The same, with the session a lookup goes through."""
+
+    @property
+    def session(self) -> Any:
+        return self.client.session
+
+
+@pytest.mark.parametrize("session", [LookingUp, LosesTheFirstAnswer])
+async def test_the_caller_looks_a_lost_answer_up_instead_of_calling_again(
+    store: Store, tmp_path: Path, session: type[LosesTheFirstAnswer]
+) -> None:
+    runs: list[str] = []
+    async with Client(tickets(store, runs)) as client:
+        lossy = session(client)
+        async with IdempotentToolCaller(lossy, journal=tmp_path / "journal.sqlite3") as caller:
+            result = await caller.call_tool("create_ticket", {"title": "a"})
+    # The lookup answered: the tool was not called again (without a lookup, it was: replayed).
+    assert lossy.calls == (1 if session is LookingUp else 2)
+    assert runs == ["a"]
+    assert (result.meta or {}).get(REPLAYED_META) is True
+    assert result.structured_content == {"result": "T-1"}
