@@ -44,7 +44,7 @@ from tests.conftest import (
     redis_prefix,
     require_server,
 )
-from tests.support.function_worker import charge, protected, store_at
+from tests.support.function_worker import LEASE, charge, protected, store_at
 from tests.support.queue_consumer import effects, metadata
 
 pytestmark = pytest.mark.anyio
@@ -314,7 +314,7 @@ async def test_a_crashed_workers_key_is_taken_over_once_its_lease_lapses(
         protect = protected(store)
         with pytest.raises(StillRunning):  # its lease has not lapsed yet
             await protect.call(key, "charge:o-1", lambda: charge("o-1"), name="charge")
-        await anyio.sleep(0.8)
+        await anyio.sleep(LEASE)
         result = await protect.call(key, "charge:o-1", lambda: charge("o-1"), name="charge")
         again = await protect.call(key, "charge:o-1", lambda: charge("o-2"), name="charge")
         assert result == again == {"charged": "o-1", "by": "the retry"}

@@ -1,8 +1,8 @@
 """A worker process of the idempotent-function tests that crashes mid-call.
 
 ``python -m tests.support.function_worker URL PREFIX KEY``: runs :func:`charge` under KEY on
-the store at URL (Redis keys under PREFIX) with a lease of half a second, prints ``started`` once
-the body runs, and never finishes (the test kills it).
+the store at URL (Redis keys under PREFIX) with a lease of :data:`LEASE` seconds, prints
+``started`` once the body runs, and never finishes (the test kills it).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import anyio
 from idempotency_mw import RedisStore, SQLStore, Store
 from idempotency_mw.functions import IdempotentFunctions
 
-LEASE = 0.5
+#: Long enough for the test to open a store and see the key held on a loaded machine.
+LEASE = 2.0
 
 
 def store_at(url: str, prefix: str) -> Store:
