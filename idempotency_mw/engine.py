@@ -6,9 +6,7 @@ into a :class:`ClaimRequest`; what happens to a key from there on is decided her
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
@@ -16,10 +14,9 @@ from typing import Any, NamedTuple, TypeVar
 
 import anyio
 
-from idempotency_mw._shielding import shielded
 from idempotency_mw.exceptions import StoreError
 from idempotency_mw.fence import CurrentClaim
-from idempotency_mw.lease import Clock, KeeperStarts, LeaseKeeper, LoopStarts
+from idempotency_mw.lease import Clock, LeaseKeeper
 from idempotency_mw.metrics import Event, EventHook, EventKind, key_hash
 from idempotency_mw.options import LeaseLostAction
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
@@ -94,27 +91,9 @@ class ClaimEngine:
         )
         #: The routes declared fenced that returned without ``fence()``, logged once each.
         self._unfenced: set[tuple[str, str]] = set()
-        #: Store calls sent for work that has ended, seen to their end (see :meth:`aclose`).
-        self._unfinished: set[asyncio.Future[Any]] = set()
-        self.keeper_starts = KeeperStarts()
-
-    def outlive(self, call: asyncio.Future[Any]) -> None:
-        """See ``call``, a store call sent for work that ended, to its end: cut short, it
-        would throw away the store's connection mid-call. Its failure is logged."""
-        self._unfinished.add(call)
-        call.add_done_callback(self._finished)
-
-    def _finished(self, call: asyncio.Future[Any]) -> None:
-        self._unfinished.discard(call)
-        if not call.cancelled() and call.exception() is not None:
-            logger.warning("a store call of ended work failed", exc_info=call.exception())
 
     async def aclose(self) -> None:
-        """Wait for the store calls that ended work left running (before the store closes),
-        and stop the settlement feed's watcher."""
-        if self._unfinished:
-            await asyncio.wait(set(self._unfinished))
-        self.keeper_starts.close()
+        """Stop the settlement feed's watcher."""
         await self.settlements.stop()
 
     def answered_unfenced(self, method: str, route: str) -> None:
@@ -154,7 +133,11 @@ class ClaimEngine:
 
 
 class Hold:
-    """One call's work, and the claim it holds once taken (see :meth:`ClaimEngine.hold`)."""
+    """One call's work, and the claim it holds once taken (see :meth:`ClaimEngine.hold`).
+
+    The block is a task group: its body is the work, and the lease keeper, once the claim is
+    kept, its child, cancelled when the work ends.
+    """
 
     def __init__(
         self,
@@ -165,20 +148,19 @@ class Hold:
         self.engine = engine
         self._answered = answered
         self._on_stopped = on_stopped
-        self.work = asyncio.timeout(None)  # expired at once when the lease is lost
+        self._group = anyio.create_task_group()
+        #: The work's scope, cancelled when the lease is lost.
+        self._work = anyio.CancelScope()
+        self._keeping: anyio.CancelScope | None = None
         self.call: Call | None = None
         #: The claim ``fence()`` is handed, once acquired.
         self.claim_held: CurrentClaim | None = None
         #: The work was stopped because its lease could not be proven.
         self.stopped = False
-        #: The lease keeper: started a third of the lease after the claim (most work ends
-        #: sooner), then a child of the block, awaited when it ends.
-        self._keeper: LeaseKeeper | None = None
-        self._starts: LoopStarts | None = None
-        self._keeping: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Hold:
-        await self.work.__aenter__()
+        await self._group.__aenter__()
+        self._work.__enter__()
         return self
 
     async def __aexit__(
@@ -188,19 +170,19 @@ class Hold:
         traceback: TracebackType | None,
     ) -> bool:
         try:
-            try:
-                await self.work.__aexit__(kind, error, traceback)
-            except TimeoutError:
-                if not (self.stopped and self.work.expired()):
-                    raise  # the work's own
-                if self._on_stopped is not None:
-                    await self._on_stopped()
-                return True
-            return False
+            stopped = self._work.__exit__(kind, error, traceback)
         finally:
-            keeping = self._stop_keeping()
-            if keeping is not None:
-                await self._keeper_ended(keeping)
+            if self._keeping is not None:
+                self._keeping.cancel()
+            # The work's own exception goes on as it was raised: the group only waits for
+            # the keeper (which never raises).
+            await self._group.__aexit__(None, None, None)
+            if self._keeping is not None:
+                assert self.call is not None
+                self.call.emit(EventKind.CLAIM_ENDED)
+        if stopped and self._on_stopped is not None:
+            await self._on_stopped()
+        return bool(stopped)
 
     async def claim(self, call: Call) -> Claim:
         """Claim ``call``'s key; once acquired, its lease is kept until the block ends (raises
@@ -225,15 +207,11 @@ class Hold:
             claimed_at=call.claimed_at,
             on_lost=self._lost,
             key_id=lambda: call.key_id,  # hashed only if a log line needs it
-            outlive=self.engine.outlive,
             clock=self.engine.clock,
         )
-        first_renewal_in = keeper.first_renewal_in()
-        if first_renewal_in == 0:
-            # The claim took a third of the lease: proven again before the work starts.
-            if not await keeper.renew_to_start():
-                raise LeaseUnproven
-            first_renewal_in = keeper.first_renewal_in()
+        # The claim took a third of the lease: proven again before the work starts.
+        if keeper.first_renewal_in() == 0 and not await keeper.renew_to_start():
+            raise LeaseUnproven
         request = call.request
         self.claim_held = CurrentClaim(
             self.engine.store,
@@ -246,15 +224,18 @@ class Hold:
             lease=request.lease,
         )
         call.emit(EventKind.CLAIM_STARTED)
-        self._keeper = keeper
-        self._starts = self.engine.keeper_starts.on_this_loop()
-        self._starts.add(self, first_renewal_in, self._start_keeping)
+        self._keeping = anyio.CancelScope()
+        self._group.start_soon(self._keep, keeper, self._keeping)
         return self.claim_held
 
-    def _start_keeping(self) -> None:
-        assert self._keeper is not None
-        self._starts = None
-        self._keeping = asyncio.ensure_future(self._keeper.keep())
+    async def _keep(self, keeper: LeaseKeeper, scope: anyio.CancelScope) -> None:
+        """The keeper, until the work ends; its failure is logged (the work goes on)."""
+        with scope:
+            try:
+                await keeper.keep()
+            except Exception:
+                assert self.call is not None
+                logger.exception("the lease keeper of key %s failed", self.call.key_id)
 
     def _lost(self) -> None:
         call, claim = self.call, self.claim_held
@@ -274,42 +255,13 @@ class Hold:
                 "and its key left to lapse",
                 call.key_id,
             )
-            self.work.reschedule(-math.inf)
+            self._work.cancel()
         else:
             logger.error(
                 "key %s: the store did not confirm the lease in time; the call goes on "
                 "unprotected (a retry may run it again once the lease lapses)",
                 call.key_id,
             )
-
-    def _stop_keeping(self) -> asyncio.Task[None] | None:
-        """Stop keeping the lease (the work ended): the keeper's task to wait for, if it
-        started."""
-        if self._keeper is None:
-            return None
-        self._keeper = None
-        if self._starts is not None:
-            self._starts.discard(self)
-        keeping, self._keeping = self._keeping, None
-        if keeping is None:
-            assert self.call is not None
-            self.call.emit(EventKind.CLAIM_ENDED)
-        return keeping
-
-    async def _keeper_ended(self, keeping: asyncio.Task[None]) -> None:
-        """Cancel the keeper's task and wait for it to end; its failure is logged."""
-        keeping.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.wait({keeping})
-        if not keeping.cancelled() and keeping.exception() is not None:
-            assert self.call is not None
-            logger.error(
-                "the lease keeper of key %s failed",
-                self.call.key_id,
-                exc_info=keeping.exception(),
-            )
-        assert self.call is not None
-        self.call.emit(EventKind.CLAIM_ENDED)
 
 
 class Call:
@@ -425,14 +377,13 @@ class Call:
             self.engine.answered_unfenced(self.method, self.route)
         flush = _NOT_DURABLE if self._flush_skippable and fenced else _DURABLE
         try:
-            owned = await self._store_call(
-                "complete",
-                shielded(
-                    lambda: self.engine.store.complete(
+            with anyio.CancelScope(shield=True):
+                owned = await self._store_call(
+                    "complete",
+                    self.engine.store.complete(
                         request.scope, request.key, token, response, ttl=request.ttl, **flush
-                    )
-                ),
-            )
+                    ),
+                )
         except StoreError as exc:
             logger.error("could not record the response of key %s: %s", self.key_id, exc)
             return
@@ -446,10 +397,11 @@ class Call:
         happen). The store call runs to its end even when the caller is cancelled meanwhile."""
         request = self.request
         try:
-            if await self._store_call(
-                "release",
-                shielded(lambda: self.engine.store.release(request.scope, request.key, token)),
-            ):
+            with anyio.CancelScope(shield=True):
+                released = await self._store_call(
+                    "release", self.engine.store.release(request.scope, request.key, token)
+                )
+            if released:
                 self.emit(EventKind.RELEASED)
         except StoreError as exc:
             logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)

@@ -417,5 +417,5 @@ class IdempotentFunctions:
         )
 
     async def aclose(self) -> None:
-        """Wait for store calls still running for ended calls; the store stays open."""
+        """Stop the engine's settlement watcher; the store stays open."""
         await self.engine.aclose()
