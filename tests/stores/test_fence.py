@@ -204,9 +204,12 @@ async def test_a_committed_request_is_never_stopped_by_a_stalled_store(
     # The effect committed (fenced); then the store stalls past the lease. Nothing can take
     # the key over any more, so the request goes on and its client gets the answer (no 503).
     app = ticket_service(store, engine, lease=0.4)
-    app.state.linger = 1.0
-    store.pause("renew")
     async with client_for(app) as client:
+        # A first request opens the store: a claim slower than a third of the lease would be
+        # proven again by a renewal before its work starts, which the stall below would hold.
+        await post(client, "warm-up", "answer")
+        app.state.linger = 1.0
+        store.pause("renew")
         with anyio.fail_after(10):
             first = await post(client, "c", "linger")
         store.resume()
