@@ -1,4 +1,4 @@
-"""The operator's view of a store: its values, and a URL → store dispatch.
+"""The operator's view of a store: a URL → store dispatch, for the CLI and the panel.
 
 Every function takes a store URL: a SQL database (its ``idempotency_records`` table) or Redis
 (the records a :class:`~idempotency_mw.RedisStore` with the same ``prefix`` writes; a Redis
@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
-import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from idempotency_mw._urls import shown_url
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
-from idempotency_mw.records import RecordStatus
+from idempotency_mw.records import RecordView, StoreStats
 
 if TYPE_CHECKING:
     from idempotency_mw.stores.base import Inspectable, Store
@@ -36,11 +34,6 @@ _REDIS_SCHEMES = ("redis:", "rediss:", "unix:")
 def is_redis_url(url: str) -> bool:
     """Whether ``url`` names a Redis server rather than a SQL database."""
     return url.startswith(_REDIS_SCHEMES)
-
-
-def utc_ms(ms: int) -> datetime:
-    """A store's time (milliseconds since the Unix epoch) as a UTC datetime."""
-    return datetime.fromtimestamp(ms / 1000, UTC)
 
 
 def relative_time(moment: datetime, now: datetime) -> str:
@@ -62,86 +55,6 @@ def _duration(seconds: float) -> str:
     return f"{days} d {hours} h"
 
 
-def record_version(token: str, status: RecordStatus, fenced: bool) -> str:
-    """What tells one state of a record from another: a release acts only on the state it saw.
-
-    The claim token stays inside the store; RedisStore's script computes the same digest.
-    """
-    seen = f"{token} {status.value}" + (" fenced" if fenced else "")
-    return hashlib.sha1(seen.encode(), usedforsecurity=False).hexdigest()
-
-
-def pair_ref(scope: str, key: str) -> str:
-    """The ``ref`` of a record a store names by its scope and key (SQL, memory)."""
-    return json.dumps([scope, key])
-
-
-def pair_of(ref: str, store: str) -> tuple[str, str]:
-    """The scope and key of :func:`pair_ref`'s ``ref``; a ConfigurationError for another."""
-    try:
-        scope, key = json.loads(ref)
-    except (ValueError, TypeError) as exc:
-        raise ConfigurationError(f"not a record of a {store}: {ref!r}") from exc
-    if not isinstance(scope, str) or not isinstance(key, str):
-        raise ConfigurationError(f"not a record of a {store}: {ref!r}")
-    return scope, key
-
-
-@dataclass(frozen=True, slots=True)
-class RecordView:
-    """One record as stored.
-
-    ``ref`` names the record in its store (what :meth:`Inspectable.find_record` takes).
-    ``scope`` and ``key`` are ``None`` where the store keeps only their digest (Redis), and are
-    the stored names (maybe a ``sha256:`` digest of a long name) in a SQL listing.
-    ``fenced``: a fenced commit marked the handler's effect as done. ``created_at`` is ``None``
-    where the store keeps no such time; ``body`` is ``None`` unless it was asked for.
-    """
-
-    ref: str
-    scope: str | None
-    key: str | None
-    status: RecordStatus
-    fenced: bool
-    request_hash: str
-    created_at: datetime | None
-    lease_expires_at: datetime
-    expires_at: datetime
-    response_status: int | None
-    response_size: int | None
-    body: bytes | None
-    #: The store's clock when the record was read.
-    now: datetime
-    #: See :func:`record_version`.
-    version: str
-
-    @property
-    def expired(self) -> bool:
-        """Past its TTL and not held by a live lease: treated as absent, awaiting the purge."""
-        return self.expires_at <= self.now and not (self.in_progress and not self.lease_lapsed)
-
-    @property
-    def in_progress(self) -> bool:
-        """Whether a request holds (or held, until its lease lapsed) the key."""
-        return self.status is RecordStatus.IN_PROGRESS
-
-    @property
-    def lease_lapsed(self) -> bool:
-        """Whether the lease of the request that held it ended (its worker stopped renewing)."""
-        return self.lease_expires_at <= self.now
-
-    @property
-    def stuck(self) -> bool:
-        """In progress past its lease, TTL not over: its key answers 409 until it is taken."""
-        return self.in_progress and self.lease_lapsed and not self.expired
-
-    @property
-    def releasable(self) -> bool:
-        """Whether a release (without ``force``) may delete it: in progress, and its effect
-        not committed (a release would let a retry run a committed effect again)."""
-        return self.in_progress and not self.fenced
-
-
 class ReleaseOutcome(enum.StrEnum):
     """What :func:`release` did."""
 
@@ -159,30 +72,6 @@ class ReleaseResult:
 
     outcome: ReleaseOutcome
     record: RecordView | None
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStats:
-    """Counts of a store's records.
-
-    ``fenced`` counts the records whose effect a fenced commit marked, whatever their status
-    (``None`` where the store takes no fenced commits). ``expired`` (awaiting the purge) is
-    ``None`` for Redis, which deletes records itself; ``oldest_in_progress`` is ``None`` when
-    nothing is in progress or the store keeps no creation time; ``size_bytes`` is the table's
-    (or keys') size where the store tells it.
-    """
-
-    by_status: Mapping[RecordStatus, int]
-    fenced: int | None
-    expired: int | None
-    oldest_in_progress: datetime | None
-    size_bytes: int | None
-    now: datetime
-
-    @property
-    def total(self) -> int:
-        """All records, expired ones included."""
-        return sum(self.by_status.values())
 
 
 @dataclass(frozen=True, slots=True)

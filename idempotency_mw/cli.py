@@ -36,7 +36,8 @@ from idempotency_mw.exceptions import (
 from idempotency_mw.records import RecordStatus
 
 if TYPE_CHECKING:
-    from idempotency_mw.admin import Lookup, RecordView, ReleaseResult, StoreStats
+    from idempotency_mw.admin import Lookup, ReleaseResult
+    from idempotency_mw.records import RecordView, StoreStats
 
 T = TypeVar("T")
 

@@ -25,9 +25,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from idempotency_mw.admin import RecordView, ReleaseOutcome, relative_time, release_record
+from idempotency_mw.admin import ReleaseOutcome, relative_time, release_record
 from idempotency_mw.exceptions import ConfigurationError, StoreError, describe, install_extra
-from idempotency_mw.records import RecordStatus
+from idempotency_mw.records import RecordStatus, RecordView
 
 if TYPE_CHECKING:
     from starlette.templating import Jinja2Templates

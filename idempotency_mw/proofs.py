@@ -32,9 +32,8 @@ from idempotency_mw._sqltypes import ExactString
 from idempotency_mw._urls import shown_url
 from idempotency_mw.exceptions import ConfigurationError, describe
 from idempotency_mw.metrics import key_hash
-from idempotency_mw.stores.sql.schema import metadata
+from idempotency_mw.stores.sql.schema import metadata, stored_name
 from idempotency_mw.stores.sql.statements import NOW, purges_of
-from idempotency_mw.stores.sql.store import stored_name
 
 PROOF_TABLE = "idempotency_proofs"
 #: The Alembic branch of the proof table (its versions: ``idempotency_mw:migrations/proofs``).

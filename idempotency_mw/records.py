@@ -1,10 +1,17 @@
-"""Values that travel between the middleware and a store."""
+"""Values that travel between the layers: what the engine asks of a store, and what the
+stores return (claims, responses, records as an operator sees them, counts)."""
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from idempotency_mw.exceptions import ConfigurationError
 
 
 class RecordStatus(enum.StrEnum):
@@ -140,3 +147,112 @@ def unpack_headers(packed: bytes) -> tuple[tuple[bytes, bytes], ...]:
         fields.append(packed[offset + 4 : offset + 4 + length])
         offset += 4 + length
     return tuple(zip(fields[::2], fields[1::2], strict=True))
+
+
+def utc_ms(ms: int) -> datetime:
+    """A store's time (milliseconds since the Unix epoch) as a UTC datetime."""
+    return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def record_version(token: str, status: RecordStatus, fenced: bool) -> str:
+    """What tells one state of a record from another: a release acts only on the state it saw.
+
+    The claim token stays inside the store; RedisStore's script computes the same digest.
+    """
+    seen = f"{token} {status.value}" + (" fenced" if fenced else "")
+    return hashlib.sha1(seen.encode(), usedforsecurity=False).hexdigest()
+
+
+def pair_ref(scope: str, key: str) -> str:
+    """The ``ref`` of a record a store names by its scope and key (SQL, memory)."""
+    return json.dumps([scope, key])
+
+
+def pair_of(ref: str, store: str) -> tuple[str, str]:
+    """The scope and key of :func:`pair_ref`'s ``ref``; a ConfigurationError for another."""
+    try:
+        scope, key = json.loads(ref)
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(f"not a record of a {store}: {ref!r}") from exc
+    if not isinstance(scope, str) or not isinstance(key, str):
+        raise ConfigurationError(f"not a record of a {store}: {ref!r}")
+    return scope, key
+
+
+@dataclass(frozen=True, slots=True)
+class RecordView:
+    """One record as stored.
+
+    ``ref`` names the record in its store (what :meth:`Inspectable.find_record` takes).
+    ``scope`` and ``key`` are ``None`` where the store keeps only their digest (Redis), and are
+    the stored names (maybe a ``sha256:`` digest of a long name) in a SQL listing.
+    ``fenced``: a fenced commit marked the handler's effect as done. ``created_at`` is ``None``
+    where the store keeps no such time; ``body`` is ``None`` unless it was asked for.
+    """
+
+    ref: str
+    scope: str | None
+    key: str | None
+    status: RecordStatus
+    fenced: bool
+    request_hash: str
+    created_at: datetime | None
+    lease_expires_at: datetime
+    expires_at: datetime
+    response_status: int | None
+    response_size: int | None
+    body: bytes | None
+    #: The store's clock when the record was read.
+    now: datetime
+    #: See :func:`record_version`.
+    version: str
+
+    @property
+    def expired(self) -> bool:
+        """Past its TTL and not held by a live lease: treated as absent, awaiting the purge."""
+        return self.expires_at <= self.now and not (self.in_progress and not self.lease_lapsed)
+
+    @property
+    def in_progress(self) -> bool:
+        """Whether a request holds (or held, until its lease lapsed) the key."""
+        return self.status is RecordStatus.IN_PROGRESS
+
+    @property
+    def lease_lapsed(self) -> bool:
+        """Whether the lease of the request that held it ended (its worker stopped renewing)."""
+        return self.lease_expires_at <= self.now
+
+    @property
+    def stuck(self) -> bool:
+        """In progress past its lease, TTL not over: its key answers 409 until it is taken."""
+        return self.in_progress and self.lease_lapsed and not self.expired
+
+    @property
+    def releasable(self) -> bool:
+        """Whether a release (without ``force``) may delete it: in progress, and its effect
+        not committed (a release would let a retry run a committed effect again)."""
+        return self.in_progress and not self.fenced
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counts of a store's records.
+
+    ``fenced`` counts the records whose effect a fenced commit marked, whatever their status
+    (``None`` where the store takes no fenced commits). ``expired`` (awaiting the purge) is
+    ``None`` for Redis, which deletes records itself; ``oldest_in_progress`` is ``None`` when
+    nothing is in progress or the store keeps no creation time; ``size_bytes`` is the table's
+    (or keys') size where the store tells it.
+    """
+
+    by_status: Mapping[RecordStatus, int]
+    fenced: int | None
+    expired: int | None
+    oldest_in_progress: datetime | None
+    size_bytes: int | None
+    now: datetime
+
+    @property
+    def total(self) -> int:
+        """All records, expired ones included."""
+        return sum(self.by_status.values())

@@ -10,15 +10,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from idempotency_mw.admin import RecordView, StoreStats, pair_of, pair_ref, record_version
 from idempotency_mw.conformance import CASES, CaseResult, ConformanceResult, conformance
 from idempotency_mw.records import (
     Claim,
     ClaimOutcome,
     RecordState,
     RecordStatus,
+    RecordView,
     StoredResponse,
+    StoreStats,
+    pair_of,
+    pair_ref,
     record_state,
+    record_version,
 )
 from idempotency_mw.stores.base import ClaimsWithToken
 

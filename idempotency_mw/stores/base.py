@@ -5,12 +5,17 @@ from __future__ import annotations
 import abc
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from idempotency_mw.records import Claim, RecordState, RecordStatus, StoredResponse, new_token
-
-if TYPE_CHECKING:
-    from idempotency_mw.admin import RecordView, StoreStats
+from idempotency_mw.records import (
+    Claim,
+    RecordState,
+    RecordStatus,
+    RecordView,
+    StoredResponse,
+    StoreStats,
+    new_token,
+)
 
 
 def takes_keyword(method: Callable[..., object], name: str) -> bool:

@@ -12,9 +12,9 @@ from typing import Any, cast
 import pytest
 
 from idempotency_mw import ClaimOutcome, Store, StoredResponse
-from idempotency_mw.admin import RecordView, release_record
+from idempotency_mw.admin import release_record
 from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.records import RecordStatus
+from idempotency_mw.records import RecordStatus, RecordView
 from idempotency_mw.stores.base import Inspectable
 from tests.conftest import STORE_PATHS, built_store
 

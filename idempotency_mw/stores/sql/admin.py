@@ -9,9 +9,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import bindparam, delete, func, select, text
 from sqlalchemy.types import Integer
 
-from idempotency_mw.admin import RecordView, StoreStats, pair_of, pair_ref, record_version, utc_ms
-from idempotency_mw.records import RecordStatus
-from idempotency_mw.stores.sql.schema import TABLE_NAME, records
+from idempotency_mw.records import (
+    RecordStatus,
+    RecordView,
+    StoreStats,
+    pair_of,
+    pair_ref,
+    record_version,
+    utc_ms,
+)
+from idempotency_mw.stores.sql.schema import TABLE_NAME, records, stored_name
 from idempotency_mw.stores.sql.statements import EXPIRED, KEY_IS, NOW
 
 if TYPE_CHECKING:
@@ -95,8 +102,6 @@ class SQLInspection:
         async def _call(self, operation: str, call: Callable[[float], Awaitable[T]]) -> T: ...
 
     def record_ref(self, scope: str, key: str) -> str:
-        from idempotency_mw.stores.sql.store import stored_name
-
         return pair_ref(stored_name(scope), stored_name(key))
 
     async def find_record(self, ref: str, *, with_body: bool = False) -> RecordView | None:
@@ -114,8 +119,6 @@ class SQLInspection:
         return [_view(row, with_body=False) for row in rows]
 
     async def scopes_of(self, key: str, *, limit: int) -> list[str] | None:
-        from idempotency_mw.stores.sql.store import stored_name
-
         params = {"p_key": stored_name(key), "p_limit": limit}
         return [
             row[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -72,3 +74,18 @@ def check_schema(conn: Connection) -> None:
         raise SchemaError(
             f"the table {TABLE_NAME!r} lacks columns {missing}, it is out of date: {MIGRATE_HINT}"
         )
+
+
+_DIGEST = "sha256:"
+
+
+def stored_name(name: str) -> str:
+    """``name`` as the table stores it: verbatim, or as its digest when it may not be.
+
+    A name that does not fit the column, or ends with a space (MariaDB/MySQL collations ignore
+    trailing spaces, so 'k' and 'k ' would be one record), or looks like a digest, is stored
+    as its own digest: no two names ever share a record.
+    """
+    if len(name) <= 255 and not name.endswith(" ") and not name.startswith(_DIGEST):
+        return name
+    return _DIGEST + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()

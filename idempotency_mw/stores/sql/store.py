@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -31,7 +30,7 @@ from idempotency_mw.stores.sql import notify
 from idempotency_mw.stores.sql.admin import SQLInspection
 from idempotency_mw.stores.sql.claims import CLAIMS
 from idempotency_mw.stores.sql.drivers import DriverChoice, Synchronous, open_driver
-from idempotency_mw.stores.sql.schema import check_schema
+from idempotency_mw.stores.sql.schema import check_schema, stored_name
 from idempotency_mw.stores.sql.statements import (
     FENCE,
     LOOKUP,
@@ -315,21 +314,6 @@ class SQLStore(SQLInspection, ClaimsWithToken):
                 return await call(ends)
         except self._errors as exc:
             raise store_error(operation, repr(self), exc, self._operation_timeout) from exc
-
-
-_DIGEST = "sha256:"
-
-
-def stored_name(name: str) -> str:
-    """``name`` as the table stores it: verbatim, or as its digest when it may not be.
-
-    A name that does not fit the column, or ends with a space (MariaDB/MySQL collations ignore
-    trailing spaces, so 'k' and 'k ' would be one record), or looks like a digest, is stored
-    as its own digest: no two names ever share a record.
-    """
-    if len(name) <= 255 and not name.endswith(" ") and not name.startswith(_DIGEST):
-        return name
-    return _DIGEST + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _record_of(scope: str, key: str) -> dict[str, str]:
