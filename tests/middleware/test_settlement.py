@@ -26,12 +26,14 @@ def service(**options: Any) -> tuple[FastAPI, PausableStore]:
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
     app.state.runs = 0
+    app.state.ran = anyio.Event()
     app.state.gate = Gate()
     app.state.gate.opened.set()
 
     @app.post("/work")
     async def work(seconds: float = 0) -> dict[str, int]:
         app.state.runs += 1
+        app.state.ran.set()
         app.state.gate.entered.set()
         await app.state.gate.opened.wait()
         await anyio.sleep(seconds)
@@ -40,21 +42,32 @@ def service(**options: Any) -> tuple[FastAPI, PausableStore]:
     @app.post("/fails")
     async def fails() -> None:
         app.state.runs += 1
+        app.state.ran.set()
         raise RuntimeError("the handler failed")
 
     return app, store
 
 
 async def left_while_paused(
-    client: httpx.AsyncClient, store: PausableStore, operation: str, path: str
+    app: FastAPI, client: httpx.AsyncClient, store: PausableStore, operation: str, path: str
 ) -> None:
-    """POST ``path`` with ``operation`` of the store paused; the client leaves after 0.1 s,
-    and the store comes back after 0.3 s."""
+    """POST ``path`` with ``operation`` of the store paused; the client leaves once the
+    handler ran, and the store comes back after that."""
     store.pause(operation)
-    async with anyio.create_task_group() as group:
-        group.start_soon(resume_after, store, 0.3)
-        with anyio.move_on_after(0.1):
+    leaving = anyio.CancelScope()
+
+    async def send() -> None:
+        with leaving:
             await client.post(path, headers=KEY)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(send)
+        with anyio.fail_after(10):
+            await app.state.ran.wait()
+        await anyio.sleep(0.05)  # the handler returned, or waits at its gate
+        leaving.cancel()
+        await anyio.sleep(0.2)
+        store.resume()
 
 
 async def resume_after(store: PausableStore, delay: float) -> None:
@@ -65,7 +78,7 @@ async def resume_after(store: PausableStore, delay: float) -> None:
 async def test_a_completion_is_recorded_once_when_the_client_leaves_meanwhile() -> None:
     app, store = service()
     async with client_for(app) as client:
-        await left_while_paused(client, store, "complete", "/work")
+        await left_while_paused(app, client, store, "complete", "/work")
         again = await client.post("/work", headers=KEY)
     assert again.status_code == 200
     assert again.headers["idempotent-replayed"] == "true"
@@ -77,7 +90,7 @@ async def test_a_completion_is_recorded_once_when_the_client_leaves_meanwhile() 
 async def test_a_release_runs_to_its_end_when_the_client_leaves_meanwhile() -> None:
     app, store = service()
     async with client_for(app) as client:
-        await left_while_paused(client, store, "release", "/fails")
+        await left_while_paused(app, client, store, "release", "/fails")
         assert store.reached["release"] == 1
         # Released: the retry runs (it is not told the first is still in progress).
         again = await client.post("/fails", headers=KEY)
@@ -90,7 +103,7 @@ async def test_a_request_cancelled_in_its_handler_releases_its_key() -> None:
     app.state.gate = Gate()
     async with client_for(app) as client:
         # The client leaves while the handler waits; the release suspends, cancelled.
-        await left_while_paused(client, store, "release", "/work")
+        await left_while_paused(app, client, store, "release", "/work")
         assert app.state.gate.entered.is_set()
         app.state.gate.opened.set()
         again = await client.post("/work", headers=KEY)
