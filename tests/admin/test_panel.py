@@ -102,6 +102,18 @@ def http_on(app: Any) -> httpx.AsyncClient:
 # --- the rules, in process ----------------------------------------------------------------------
 
 
+async def test_what_a_caller_chose_is_shown_as_text_never_as_markup() -> None:
+    store = MemoryStore()
+    hostile = "<script>alert(1)</script>"
+    await stuck(store, hostile, scope="<b>scope</b>")
+    async with http_on(panel(store, actions=True)) as http:
+        page = (await http.get("/ops/")).text
+    assert hostile not in page
+    assert "<b>scope</b>" not in page
+    assert html.escape(hostile) in page
+    assert html.escape("<b>scope</b>") in page
+
+
 async def test_the_overview_shows_the_store_and_the_journal(journal: SQLiteJournal) -> None:
     store = MemoryStore()
     await stuck(store, "order-17", scope="alice")
