@@ -6,7 +6,6 @@ into a :class:`ClaimRequest`; what happens to a key from there on is decided her
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -136,8 +135,8 @@ class ClaimEngine:
 class Hold:
     """One call's work, and the claim it holds once taken (see :meth:`ClaimEngine.hold`).
 
-    The block is a task group: its body is the work, and the lease keeper, once it starts (a
-    third of the lease after the claim), its child, cancelled when the work ends.
+    The block is a task group: its body is the work, and the lease keeper, once the claim is
+    taken, its child (renewing from a third of the lease on), cancelled when the work ends.
     """
 
     def __init__(
@@ -152,11 +151,9 @@ class Hold:
         self._group = anyio.create_task_group()
         #: The work's scope, cancelled when the lease is lost.
         self._work = anyio.CancelScope()
-        #: The lease keeper, once the claim is kept: started by a loop timer a third of the
-        #: lease after the claim (most work ends sooner, and a timer costs far less than a
-        #: task), then a child of the block.
+        #: The lease keeper once the claim is kept: a child of the block, which sleeps until a
+        #: third of the lease after the claim, then renews.
         self._keeper: LeaseKeeper | None = None
-        self._starting: asyncio.TimerHandle | None = None
         self._keeping: anyio.CancelScope | None = None
         self.call: Call | None = None
         #: The claim ``fence()`` is handed, once acquired.
@@ -178,15 +175,13 @@ class Hold:
         try:
             stopped = self._work.__exit__(kind, error, traceback)
         finally:
-            if self._starting is not None:
-                self._starting.cancel()
             if self._keeping is not None:
                 self._keeping.cancel()
             # The work's own exception goes on as it was raised: the group only waits for
             # the keeper (which never raises).
             await self._group.__aexit__(None, None, None)
             # The keeper and its timer refer back to the block: let go of them with it.
-            keeper, self._keeper, self._starting, self._keeping = self._keeper, None, None, None
+            keeper, self._keeper, self._keeping = self._keeper, None, None
             if keeper is not None:
                 assert self.call is not None
                 self.call.emit(EventKind.CLAIM_ENDED)
@@ -235,16 +230,9 @@ class Hold:
         )
         call.emit(EventKind.CLAIM_STARTED)
         self._keeper = keeper
-        self._starting = asyncio.get_running_loop().call_later(
-            keeper.first_renewal_in(), self._start_keeping
-        )
-        return self.claim_held
-
-    def _start_keeping(self) -> None:
-        assert self._keeper is not None
-        self._starting = None
         self._keeping = anyio.CancelScope()
-        self._group.start_soon(self._keep, self._keeper, self._keeping)
+        self._group.start_soon(self._keep, keeper, self._keeping)
+        return self.claim_held
 
     async def _keep(self, keeper: LeaseKeeper, scope: anyio.CancelScope) -> None:
         """The keeper, until the work ends; its failure is logged (the work goes on)."""

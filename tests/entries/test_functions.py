@@ -363,3 +363,35 @@ async def test_the_first_call_checks_the_stores_schema(tmp_path: Path) -> None:
             await protect.run("k", runs.append, "ran")
     await store.aclose()
     assert runs == []
+
+
+def test_a_lease_is_kept_on_a_loop_that_anyio_did_not_start() -> None:
+    """Under uvicorn, or ``asyncio.run``, nothing tells anyio which library runs the loop but
+    the running task: the lease keeper must start from the call's task, not a loop callback."""
+    from idempotency_mw.testing import MemoryStore
+
+    class CountedRenewals(MemoryStore):
+        renewals = 0
+
+        async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
+            self.renewals += 1
+            return await super().renew(scope, key, token, lease=lease)
+
+    problems: list[dict[str, Any]] = []
+    store = CountedRenewals()
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, context: problems.append(context))
+        protect = IdempotentFunctions(store, lease=0.3)
+
+        async def work() -> int:
+            await asyncio.sleep(0.25)  # past a third of the lease: a renewal is due
+            return 1
+
+        result: int = await protect.call("k", "f", work, name="work")
+        return result
+
+    assert asyncio.run(main()) == 1
+    assert problems == []
+    assert store.renewals >= 1
