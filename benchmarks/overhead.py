@@ -6,10 +6,9 @@
    claim and completion scripts through the same library; three SQLite statements through
    sqlite3 in autocommit (read, upsert, update), on a file in WAL with ``synchronous=FULL`` (the
    store's default) and with ``NORMAL``. Beside them, for reference, the store's own statements
-   through each driver it can use (``driver="native"`` and ``driver="sqlalchemy"``, on SQLite,
-   PostgreSQL and MariaDB), without the store's bookkeeping or the middleware: what its schema
-   and SQL cost over the floor's bare table, and what each native driver saves over SQLAlchemy's
-   engine in the same run.
+   through the engine it makes from a URL (on SQLite, PostgreSQL and MariaDB), without the
+   store's bookkeeping or the middleware: what its schema, its SQL and SQLAlchemy's engine cost
+   over the floor's bare table.
 2. The middleware's own CPU per request, outside store calls: CPU of the event loop's thread
    (where the middleware runs) per request behind the middleware, minus bare FastAPI's, minus
    that thread's CPU inside the store's calls (timed by a delegating store), beside bare
@@ -111,16 +110,9 @@ async def floors(n: int, chunk: int, directory: Path) -> dict[str, Summary]:
                 sqlite_synchronous=synchronous,
             )
             if store_sql is not None:
-                variants[
-                    f"SQLite, the store's 3 statements, driver='native' (WAL, {synchronous})"
-                ] = store_sql
-        store_sql = await _store_statements(
-            stack, sqlite_url(directory, "store-engine.db"), driver="sqlalchemy"
-        )
-        if store_sql is not None:
-            variants["SQLite, the store's 3 statements, driver='sqlalchemy' (aiosqlite)"] = (
-                store_sql
-            )
+                variants[f"SQLite, the store's 3 statements (aiosqlite, WAL, {synchronous})"] = (
+                    store_sql
+                )
         if not unavailable("ours-postgresql"):
             import asyncpg
 
@@ -131,10 +123,9 @@ async def floors(n: int, chunk: int, directory: Path) -> dict[str, Summary]:
             )
             await pg.execute("TRUNCATE bench_floor")
             variants["PostgreSQL, 2 statements (asyncpg)"] = _postgresql_floor(pg, tag)
-            for driver in ("native", "sqlalchemy"):
-                store_sql = await _store_statements(stack, POSTGRESQL_URL, driver=driver)
-                if store_sql is not None:
-                    variants[f"PostgreSQL, the store's 2 statements, driver={driver!r}"] = store_sql
+            store_sql = await _store_statements(stack, POSTGRESQL_URL)
+            if store_sql is not None:
+                variants["PostgreSQL, the store's 2 statements (asyncpg)"] = store_sql
         if not unavailable("ours-redis"):
             import redis.asyncio
 
@@ -152,10 +143,9 @@ async def floors(n: int, chunk: int, directory: Path) -> dict[str, Summary]:
     # Apart: with MariaDB's pools open in the process, the Redis rounds ran slower.
     async with AsyncExitStack() as stack:
         variants = {}
-        for driver in ("native", "sqlalchemy"):
-            store_sql = await _store_statements(stack, MARIADB_URL, driver=driver)
-            if store_sql is not None:
-                variants[f"MariaDB, the store's 4 statements, driver={driver!r}"] = store_sql
+        store_sql = await _store_statements(stack, MARIADB_URL)
+        if store_sql is not None:
+            variants["MariaDB, the store's 4 statements (asyncmy)"] = store_sql
         return timed | await _timed_rounds(variants, n, chunk)
 
 
@@ -163,17 +153,17 @@ async def _store_statements(
     stack: AsyncExitStack, url: str, **options: Any
 ) -> Callable[[int], Awaitable[None]] | None:
     """A first request's statements as the store sends them (its claim's, then its completion),
-    through the driver ``options`` choose (``driver=``, ``sqlite_synchronous=``), without the
-    store's bookkeeping or the middleware: what the schema, the SQL and the driver cost.
-    ``None`` for a version of the library laid out otherwise."""
+    through the engine the store makes for ``url`` with ``options`` (``sqlite_synchronous=``),
+    without the store's bookkeeping or the middleware: what the schema, the SQL and the engine
+    cost. ``None`` for a version of the library laid out otherwise."""
     try:
         from idempotency_mw.stores.sql.claims import CLAIMS
-        from idempotency_mw.stores.sql.drivers import open_driver
+        from idempotency_mw.stores.sql.database import Database, engine_for
         from idempotency_mw.stores.sql.statements import SILENT
     except ImportError:
         return None
     await prepare_sql(url)
-    driver = open_driver(url, **options)
+    driver = Database(engine_for(url, **options), owned=True)
     stack.push_async_callback(driver.aclose)
     claim = CLAIMS[driver.dialect_name]
     tag = uuid.uuid4().hex[:8]

@@ -43,12 +43,12 @@ FLOOR_OF = {
     "ours-postgresql": "PostgreSQL, 2 statements (asyncpg)",
     "ours-redis": "Redis, 2 commands (redis-py)",
 }
-#: The store's own statements through its own driver (overhead.py's names): what the schema
-#: and the SQL cost over the floor's bare table, for reference.
+#: The store's own statements through its engine (overhead.py's names): what the schema, the
+#: SQL and SQLAlchemy's engine cost over the floor's bare table, for reference.
 STORE_SQL_OF = {
-    "ours-sqlite": "SQLite, the store's 3 statements, its driver (WAL, FULL)",
-    "ours-sqlite-normal": "SQLite, the store's 3 statements, its driver (WAL, NORMAL)",
-    "ours-postgresql": "PostgreSQL, the store's 2 statements, its driver",
+    "ours-sqlite": "SQLite, the store's 3 statements (aiosqlite, WAL, FULL)",
+    "ours-sqlite-normal": "SQLite, the store's 3 statements (aiosqlite, WAL, NORMAL)",
+    "ours-postgresql": "PostgreSQL, the store's 2 statements (asyncpg)",
 }
 RESULTS_START = "<!-- benchmark results: written by python -m benchmarks.run_all -->"
 RESULTS_END = "<!-- end of benchmark results -->"
@@ -118,7 +118,7 @@ def goals(inprocess: list[dict[str, Any]], overhead: dict[str, Any]) -> str:
             "raw floor p50 µs",
             "ratio",
             "within 1.5x",
-            "the store's own SQL through its driver, p50 µs (first request against it)",
+            "the store's own SQL through its engine, p50 µs (first request against it)",
             "first cheaper than the peers on this store",
             "replay cheaper than the peers",
             "middleware's own CPU / bare FastAPI's request, µs",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -19,11 +18,8 @@ from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import CASES, conformance
 from tests.conftest import (
     DATABASES,
-    SERVER_DATABASES,
     STORE_PATHS,
     built_store,
-    fresh_sql_store,
-    require_server,
 )
 from tests.support import claimers
 from tests.support.claimers import outcomes_from_processes
@@ -31,48 +27,22 @@ from tests.support.garbage import garbage_of_ours
 
 pytestmark = pytest.mark.anyio
 
-#: A URL with ``driver="sqlalchemy"``: SQLAlchemy's engine where the store has a native driver.
-SQLALCHEMY_FROM_URL = [f"{database}-url-sqlalchemy" for database in DATABASES]
-
-
-@asynccontextmanager
-async def contract_store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    """An empty store built the way ``request.param`` names (a path of ``STORE_PATHS`` or of
-    ``SQLALCHEMY_FROM_URL``)."""
-    if request.param not in SQLALCHEMY_FROM_URL:
-        async with built_store(request.param, request) as made:
-            yield made
-        return
-    database = request.param.partition("-")[0]
-    if database == "sqlite":
-        url = f"sqlite:///{request.getfixturevalue('tmp_path') / 'idempotency.db'}"
-    else:
-        url = SERVER_DATABASES[database]
-        require_server(url)
-    await (await fresh_sql_store(url)).aclose()
-    sql_store = SQLStore(url, driver="sqlalchemy")
-    yield sql_store
-    await sql_store.aclose()
-
-
-@pytest.fixture(params=[*STORE_PATHS, *SQLALCHEMY_FROM_URL])
+@pytest.fixture(params=STORE_PATHS)
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    """An empty store for each way of building one (see ``STORE_PATHS``) and each driver."""
-    async with contract_store(request) as made:
+    """An empty store for each way of building one (see ``STORE_PATHS``)."""
+    async with built_store(request.param, request) as made:
         yield made
 
 
 #: The stores that keep a mark of a fenced commit in their own record (the SQL stores; Redis
 #: and ``MemoryStore`` leave the proof to the application's database).
-MARKING_PATHS = [
-    path for path in [*STORE_PATHS, *SQLALCHEMY_FROM_URL] if path.partition("-")[0] in DATABASES
-]
+MARKING_PATHS = [path for path in STORE_PATHS if path.partition("-")[0] in DATABASES]
 
 
 @pytest.fixture(params=MARKING_PATHS)
 async def marking_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
     """An empty store of each way of building one that marks fenced commits in its record."""
-    async with contract_store(request) as made:
+    async with built_store(request.param, request) as made:
         assert isinstance(made, SQLStore)
         yield made
 

@@ -15,12 +15,13 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw import ConfigurationError, SQLStore, Store, StoreError
 from idempotency_mw.records import ClaimOutcome, StoredResponse
-from idempotency_mw.stores.sql.drivers import Synchronous
-from idempotency_mw.stores.sql.drivers import sqlite as sqlite_driver
-from idempotency_mw.stores.sql.drivers.sqlite import SQLiteDriver
+from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.sqlite import Synchronous
 from tests.conftest import POSTGRESQL_URL, built_store, fresh_sql_store
 
 pytestmark = pytest.mark.anyio
@@ -119,13 +120,11 @@ async def test_a_file_is_switched_to_wal_and_synced_in_full_unless_asked_otherwi
         token = (await store.claim("", "k", "f", ttl=60, lease=60)).token
         assert token is not None
         assert await store.complete("", "k", token, None, ttl=60)
-        # The level the completion committed with (2: FULL, 1: NORMAL): FULL commits wait for
-        # the disk in the worker thread, NORMAL ones run on the event loop's connection.
-        driver = store._driver
-        assert isinstance(driver, SQLiteDriver)
-        connection = driver._worker._connection if synchronous == 2 else driver._loop_connection
-        assert connection is not None
-        assert connection.execute("PRAGMA synchronous").fetchone()[0] == synchronous
+        # The level the store's connections commit with (2: FULL, 1: NORMAL), and how long
+        # they wait for another's lock: 0.9 of the operation timeout.
+        async with store.engine.connect() as conn:
+            assert (await conn.exec_driver_sql("PRAGMA synchronous")).scalar() == synchronous
+            assert (await conn.exec_driver_sql("PRAGMA busy_timeout")).scalar() == 9000
     finally:
         await store.aclose()
     with closing(sqlite3.connect(path)) as db:
@@ -173,23 +172,50 @@ def test_a_sync_level_other_than_full_or_normal_is_refused(tmp_path: Path, level
         SQLStore(f"sqlite:///{tmp_path / 'i.db'}", sqlite_synchronous=level)  # type: ignore[arg-type]
 
 
-def test_wal_and_sync_levels_are_refused_where_they_mean_nothing() -> None:
-    for url in (POSTGRESQL_URL, "sqlite://", "sqlite:///:memory:"):
-        SQLStore(url)  # the defaults apply to SQLite files only
+async def test_wal_and_sync_levels_are_refused_where_they_mean_nothing(tmp_path: Path) -> None:
+    # An engine of the application's own is used as it is: its PRAGMAs are the application's.
+    engine = create_async_engine(async_url(f"sqlite:///{tmp_path / 'i.db'}"))
+    for database in (POSTGRESQL_URL, "sqlite://", "sqlite:///:memory:", engine):
+        await SQLStore(database).aclose()  # the defaults apply to SQLite files only
         for options in ({"sqlite_wal": True}, {"sqlite_synchronous": "NORMAL"}):
             with pytest.raises(ConfigurationError, match="SQLite file URL only"):
-                SQLStore(url, **options)
+                SQLStore(database, **options)
+    await engine.dispose()
+
+
+async def test_every_connection_of_the_pool_is_prepared(sqlite_url: str) -> None:
+    # Concurrent calls open several connections: each is in WAL, FULL, with its busy timeout.
+    store = SQLStore(sqlite_url, operation_timeout=2)
+
+    async def claim(key: str) -> None:
+        assert (await store.claim("", key, "f", ttl=60, lease=60)).token
+
+    try:
+        async with anyio.create_task_group() as group:
+            for n in range(8):
+                group.start_soon(claim, f"k{n}")
+        async with store.engine.connect() as a, store.engine.connect() as b:
+            for conn in (a, b):
+                assert (await conn.exec_driver_sql("PRAGMA journal_mode")).scalar() == "wal"
+                assert (await conn.exec_driver_sql("PRAGMA synchronous")).scalar() == 2
+                assert (await conn.exec_driver_sql("PRAGMA busy_timeout")).scalar() == 1800
+    finally:
+        await store.aclose()
 
 
 @pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
 async def test_the_wal_restarts_under_steady_load(
-    sqlite_url: str, synchronous: Synchronous, monkeypatch: pytest.MonkeyPatch
+    sqlite_url: str, synchronous: Synchronous
 ) -> None:
-    # Checkpoints run in a thread. Were the event loop to go on committing meanwhile, no
-    # checkpoint would ever let the WAL restart, and it would keep growing: 5 MB here.
-    monkeypatch.setattr(sqlite_driver, "CHECKPOINT_EVERY", 20)
+    # SQLite checkpoints the WAL as commits go on, here every 100 pages (400 kB). Were readers
+    # of the pool's other connections to keep every checkpoint from letting the WAL restart, it
+    # would keep growing: 5 MB here.
     response = StoredResponse(201, ((b"content-type", b"application/json"),), b"{}" * 100)
     store = SQLStore(sqlite_url, sqlite_synchronous=synchronous)
+
+    @event.listens_for(store.engine.sync_engine, "connect")
+    def checkpoint_often(dbapi_connection: Any, _: Any) -> None:
+        dbapi_connection.cursor().execute("PRAGMA wal_autocheckpoint=100")
 
     async def first_request(key: str) -> None:
         claim = await store.claim("", key, "f", ttl=60, lease=60)
@@ -197,7 +223,7 @@ async def test_the_wal_restarts_under_steady_load(
         assert await store.complete("", key, claim.token, response, ttl=60)
 
     try:
-        for batch in range(60):  # ten at a time: some wait for a checkpoint in the thread
+        for batch in range(60):  # ten at a time, on several connections
             async with anyio.create_task_group() as group:
                 for request in range(10):
                     group.start_soon(first_request, f"k{batch}-{request}")
@@ -262,11 +288,11 @@ async def test_first_requests_hold_the_event_loop_no_longer_than_on_redis(
     assert on_sqlite <= on_redis + MARGIN
 
 
-async def test_closing_never_waits_for_the_worker_thread_on_the_event_loop(
+async def test_closing_never_waits_for_the_connections_threads_on_the_event_loop(
     sqlite_url: str,
 ) -> None:
-    # Claims wait in the thread for a lock another connection holds, one queued before the
-    # close and one after it: the close must not hold the loop while the thread works.
+    # Claims wait in their connections' threads for a lock another connection holds, one begun
+    # before the close and one after it: the close must not hold the loop while they wait.
     store = SQLStore(sqlite_url, operation_timeout=1)
     await store.claim("", "warm", "f", ttl=60, lease=60)
     stalls = Stalls()

@@ -56,24 +56,22 @@ def test_a_store_without_its_extra_names_the_install_command(
 
 
 @pytest.mark.parametrize(
-    ("url", "driver", "missing", "extra"),
+    ("url", "missing", "extra"),
     [
-        ("postgresql://u@127.0.0.1/db", None, "asyncpg", "postgresql"),
-        ("postgresql://u@127.0.0.1/db", "sqlalchemy", "asyncpg", "postgresql"),
-        ("mysql://u@127.0.0.1/db", None, "asyncmy", "mysql"),
-        ("mariadb://u@127.0.0.1/db", "sqlalchemy", "asyncmy", "mysql"),
+        ("postgresql://u@127.0.0.1/db", "asyncpg", "postgresql"),
+        ("mysql://u@127.0.0.1/db", "asyncmy", "mysql"),
+        ("mariadb://u@127.0.0.1/db", "asyncmy", "mysql"),
+        ("sqlite:///idempotency.db", "aiosqlite", "sql"),
     ],
 )
-def test_a_sql_store_without_its_driver_names_the_extra(
-    url: str, driver: str | None, missing: str, extra: str
-) -> None:
+def test_a_sql_store_without_its_driver_names_the_extra(url: str, missing: str, extra: str) -> None:
     # An ImportError (a ModuleNotFoundError still, for callers that look for one) that
     # says what to install.
     result = python(
         f"import sys; sys.modules[{missing!r}] = None\n"
         "from idempotency_mw import SQLStore\n"
         "try:\n"
-        f"    SQLStore({url!r}, driver={driver!r})\n"
+        f"    SQLStore({url!r})\n"
         "except ImportError as exc:\n"
         "    print(exc.name, exc)"
     )

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from idempotency_mw import IdempotencyMiddleware, RedisStore, SQLStore, Store
-from idempotency_mw.stores.sql.drivers import async_url
+from idempotency_mw.stores.sql import async_url
 
 
 def store_of(kind: str, url: str) -> Store:

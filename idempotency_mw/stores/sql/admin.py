@@ -1,5 +1,5 @@
 """SQLStore's :class:`~idempotency_mw.stores.base.Inspectable` half: the operator's reads and
-deletes of the table, run through the store's own driver and timeout."""
+deletes of the table, run through the store's own engine and timeout."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from idempotency_mw.stores.sql.schema import TABLE_NAME, records, stored_name
 from idempotency_mw.stores.sql.statements import EXPIRED, KEY_IS, NOW
 
 if TYPE_CHECKING:
-    from idempotency_mw.stores.sql.drivers import Driver
+    from idempotency_mw.stores.sql.database import Database
 
 T = TypeVar("T")
 
@@ -95,7 +95,7 @@ _SIZES = {
 class SQLInspection:
     """Inspection for :class:`~idempotency_mw.stores.sql.SQLStore` (mixed into it)."""
 
-    _driver: Driver
+    _database: Database
 
     if TYPE_CHECKING:
 
@@ -107,14 +107,14 @@ class SQLInspection:
     async def find_record(self, ref: str, *, with_body: bool = False) -> RecordView | None:
         statement = _FIND_WITH_BODY if with_body else _FIND
         rows = await self._call(
-            "inspect", lambda ends: self._driver.fetch(statement, _key_of(ref), deadline=ends)
+            "inspect", lambda ends: self._database.fetch(statement, _key_of(ref), deadline=ends)
         )
         return _view(rows[0], with_body=with_body) if rows else None
 
     async def list_records(self, status: RecordStatus, *, limit: int) -> list[RecordView]:
         params = {"p_status": status.value, "p_limit": limit}
         rows = await self._call(
-            "list", lambda ends: self._driver.fetch(_LIST, params, deadline=ends)
+            "list", lambda ends: self._database.fetch(_LIST, params, deadline=ends)
         )
         return [_view(row, with_body=False) for row in rows]
 
@@ -123,13 +123,13 @@ class SQLInspection:
         return [
             row[0]
             for row in await self._call(
-                "inspect", lambda ends: self._driver.fetch(_SCOPES, params, deadline=ends)
+                "inspect", lambda ends: self._database.fetch(_SCOPES, params, deadline=ends)
             )
         ]
 
     async def force_release(self, record: RecordView) -> bool:
         rows = await self._call(
-            "inspect", lambda ends: self._driver.fetch(_FIND, _key_of(record.ref), deadline=ends)
+            "inspect", lambda ends: self._database.fetch(_FIND, _key_of(record.ref), deadline=ends)
         )
         if not rows:
             return False
@@ -140,7 +140,8 @@ class SQLInspection:
         params = {**_key_of(record.ref), "p_token": token, "p_status": status.value}
         return (
             await self._call(
-                "release", lambda ends: self._driver.change(_DELETE[fenced], params, deadline=ends)
+                "release",
+                lambda ends: self._database.change(_DELETE[fenced], params, deadline=ends),
             )
             == 1
         )
@@ -150,21 +151,23 @@ class SQLInspection:
         fenced = 0
         oldest: int | None = None
         for status, count, fenced_count, first_created in await self._call(
-            "stats", lambda ends: self._driver.fetch(_COUNTS, {}, deadline=ends)
+            "stats", lambda ends: self._database.fetch(_COUNTS, {}, deadline=ends)
         ):
             by_status[RecordStatus(status)] = count
             fenced += fenced_count
             if status == RecordStatus.IN_PROGRESS:
                 oldest = first_created
         ((expired, now),) = await self._call(
-            "stats", lambda ends: self._driver.fetch(_EXPIRED_AND_NOW, {}, deadline=ends)
+            "stats", lambda ends: self._database.fetch(_EXPIRED_AND_NOW, {}, deadline=ends)
         )
-        size_query = _SIZES.get(self._driver.dialect_name)
+        size_query = _SIZES.get(self._database.dialect_name)
         size = None
         if size_query is not None:
             rows = await self._call(
                 "stats",
-                lambda ends: self._driver.fetch(size_query, {"p_table": TABLE_NAME}, deadline=ends),
+                lambda ends: self._database.fetch(
+                    size_query, {"p_table": TABLE_NAME}, deadline=ends
+                ),
             )
             size = None if not rows or rows[0][0] is None else int(rows[0][0])
         return StoreStats(

@@ -22,7 +22,7 @@ from sqlalchemy import cast, exists, func, literal_column, null, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.sql.expression import Executable
 
-from idempotency_mw.stores.sql.drivers.base import Driver
+from idempotency_mw.stores.sql.database import Database as Driver
 from idempotency_mw.stores.sql.schema import records
 from idempotency_mw.stores.sql.statements import (
     CAN_TAKE_OVER,

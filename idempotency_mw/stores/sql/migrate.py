@@ -14,7 +14,7 @@ from sqlalchemy import Connection
 from sqlalchemy.engine import URL
 
 from idempotency_mw.alembic import PROOF_VERSION_TABLE
-from idempotency_mw.stores.sql.drivers import async_url
+from idempotency_mw.stores.sql.database import async_url
 from idempotency_mw.stores.sql.store import SQLStore
 
 #: The advisory lock migrations hold (PostgreSQL's is a number, MariaDB's a name).

@@ -1,8 +1,9 @@
-"""SQLStore's settlement feed: PostgreSQL LISTEN on one asyncpg connection of its own.
+"""SQLStore's settlement feed: PostgreSQL LISTEN on one asyncpg connection of the engine's.
 
 ``complete`` and ``release`` NOTIFY the digest of the record they settle in the very statement
 that settles it (:func:`~idempotency_mw.stores.sql.statements.announced`); here a connection
-outside the pool LISTENs for those digests. SQLite and MariaDB/MySQL have no notifications.
+that the engine opens, taken out of its pool for good, LISTENs for those digests. SQLite and
+MariaDB/MySQL have no notifications.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncEngine
+
 from idempotency_mw.exceptions import SettlementFeedUnsupported
 from idempotency_mw.stores.feed import CHECK_AFTER
-from idempotency_mw.stores.sql.drivers.base import Driver
-from idempotency_mw.stores.sql.drivers.engine import SQLAlchemyDriver
-from idempotency_mw.stores.sql.drivers.postgresql import AsyncpgDriver
 from idempotency_mw.stores.sql.statements import SETTLED_CHANNEL
 
 #: How the listening connection shows in ``pg_stat_activity``.
@@ -24,26 +24,32 @@ APPLICATION_NAME = "idempotency-mw settlements"
 Connect = Callable[[], Awaitable[Any]]
 
 
-def connector(driver: Driver, store: str) -> Connect:
-    """How to open an asyncpg connection of its own on ``driver``'s database.
+def connector(engine: AsyncEngine, store: str) -> Connect:
+    """How to open an asyncpg connection on ``engine``'s database, as the engine opens its own
+    (the URL's options included), that the caller closes.
 
     Raises :class:`SettlementFeedUnsupported` where there is none: another database, or an
     engine on another PostgreSQL driver.
     """
-    if isinstance(driver, AsyncpgDriver):
-        return driver.connect
-    if driver.dialect_name != "postgresql":
+    dialect = engine.dialect
+    if dialect.name != "postgresql":
         raise SettlementFeedUnsupported(
-            f"{store} cannot announce settled records: {driver.dialect_name} has no "
+            f"{store} cannot announce settled records: {dialect.name} has no "
             "notifications; requests that wait for a key poll the store"
         )
-    if isinstance(driver, SQLAlchemyDriver) and driver.driver_name == "asyncpg":
-        return driver.detached_connection
-    raise SettlementFeedUnsupported(
-        f"{store} listens for settled records through asyncpg only, and its engine uses "
-        f"{getattr(driver, 'driver_name', 'another driver')}; requests that wait for a key poll "
-        "the store"
-    )
+    if dialect.driver != "asyncpg":
+        raise SettlementFeedUnsupported(
+            f"{store} listens for settled records through asyncpg only, and its engine uses "
+            f"{dialect.driver}; requests that wait for a key poll the store"
+        )
+
+    async def connect() -> Any:
+        pooled = await engine.raw_connection()
+        connection = pooled.driver_connection
+        pooled.detach()
+        return connection
+
+    return connect
 
 
 async def listen(

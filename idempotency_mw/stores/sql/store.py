@@ -29,8 +29,9 @@ from idempotency_mw.stores.feed import Feeds
 from idempotency_mw.stores.sql import notify
 from idempotency_mw.stores.sql.admin import SQLInspection
 from idempotency_mw.stores.sql.claims import CLAIMS
-from idempotency_mw.stores.sql.drivers import DriverChoice, Synchronous, open_driver
+from idempotency_mw.stores.sql.database import Database, engine_for
 from idempotency_mw.stores.sql.schema import check_schema, stored_name
+from idempotency_mw.stores.sql.sqlite import Synchronous, check_options
 from idempotency_mw.stores.sql.statements import (
     FENCE,
     LOOKUP,
@@ -45,39 +46,36 @@ if TYPE_CHECKING:
     from idempotency_mw.fence import CurrentClaim
 
 T = TypeVar("T")
-#: The share of the operation timeout a statement may spend in a thread waiting for a lock.
-_THREAD_SHARE = 0.9
+#: The share of the operation timeout a statement may spend waiting for a lock (SQLite), or
+#: before it runs again.
+_LOCK_SHARE = 0.9
 
 
 class SQLStore(SQLInspection, ClaimsWithToken):
     """Idempotency records in the ``idempotency_records`` table of a SQL database.
 
     ``database`` is a SQLAlchemy URL (with or without an async driver name) or an
-    :class:`~sqlalchemy.ext.asyncio.AsyncEngine`, which the store never disposes and runs
-    through SQLAlchemy. From a URL the store uses its native driver for the backend (asyncpg
-    for PostgreSQL, asyncmy for MariaDB/MySQL, the standard library's sqlite3 for a SQLite
-    file), unless ``driver="sqlalchemy"``, and SQLAlchemy's async engine for any other driver
-    the URL names (see :func:`~idempotency_mw.stores.sql.drivers.open_driver`).
-    ``operation_timeout`` bounds every database call (seconds). The store switches a SQLite
-    file to WAL journal mode, in which readers and a writer of several processes do not wait
-    for each other, with ``synchronous=FULL``: a recorded answer survives a power cut. A claim's
-    commit there waits for no flush of its own (a crash that loses it ends every process that
-    could run under it, so a retry runs as after a lapsed lease); the completion's flush makes
-    it last.
-    ``sqlite_wal=False`` leaves the file's journal mode as it is;
-    ``sqlite_synchronous="NORMAL"`` makes commits much cheaper (no fsync each), and a power cut can
-    then lose the latest ones (never corrupt the file).
+    :class:`~sqlalchemy.ext.asyncio.AsyncEngine` of your own, which the store uses as it is and
+    never disposes. From a URL the store makes its engine (see
+    :func:`~idempotency_mw.stores.sql.database.engine_for`): asyncpg for PostgreSQL, asyncmy
+    for MariaDB/MySQL and aiosqlite for SQLite unless the URL names another async driver; the
+    URL's options reach the driver (PgBouncer's ``?prepared_statement_cache_size=0``, ``ssl``,
+    ``application_name``...). ``operation_timeout`` bounds every database call (seconds).
+
+    The store switches a SQLite file it opens from a URL to WAL journal mode, in which readers
+    and a writer of several processes do not wait for each other, with ``synchronous=FULL``: a
+    recorded answer survives a power cut. ``sqlite_wal=False`` leaves the file's journal mode
+    as it is; ``sqlite_synchronous="NORMAL"`` makes commits much cheaper (no fsync each), and a
+    power cut can then lose the latest ones (never corrupt the file).
 
     The claims and completions of a route declared ``fenced=True`` (``durable=False``) skip
-    their own flush: on PostgreSQL through asyncpg they run on a second pool, of up to as many
-    connections, whose sessions have ``synchronous_commit=off``; on a SQLite file in WAL on the
-    event loop's connection, in ``synchronous=NORMAL``. Elsewhere (MariaDB/MySQL, an engine of
-    your own) they stay durable.
+    their own flush on PostgreSQL: each runs in a transaction with ``SET LOCAL
+    synchronous_commit = off``. Elsewhere they stay durable.
 
-    With ``settlement_notices=True``, on PostgreSQL, the store also offers a
+    With ``settlement_notices=True``, on PostgreSQL through asyncpg, the store also offers a
     :class:`~idempotency_mw.stores.base.SettlementFeed` (for ``wait=`` across workers):
     ``complete`` and ``release`` announce the record they settle with ``pg_notify`` in the same
-    statement, and :meth:`watch_settlements` listens on one asyncpg connection of its own. It is
+    statement, and :meth:`watch_settlements` listens on one connection the engine opens. It is
     off by default: PostgreSQL commits notifying transactions one at a time, which halves how
     many settlements it takes per second under concurrency.
 
@@ -89,32 +87,37 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         database: str | URL | AsyncEngine,
         *,
         operation_timeout: float = 10.0,
-        driver: DriverChoice | None = None,
         sqlite_wal: bool | None = None,
         sqlite_synchronous: Synchronous = "FULL",
         settlement_notices: bool = False,
     ) -> None:
-        self._driver = open_driver(
-            database,
-            driver=driver,
-            sqlite_wal=sqlite_wal,
-            sqlite_synchronous=sqlite_synchronous,
-        )
+        if isinstance(database, AsyncEngine):
+            check_options(sqlite_wal, sqlite_synchronous, sqlite_file=False)
+            self._database = Database(database, owned=False)
+        else:
+            engine = engine_for(
+                database,
+                sqlite_wal=sqlite_wal,
+                sqlite_synchronous=sqlite_synchronous,
+                # A statement that waits for a lock gives up before the caller stops waiting:
+                # one that ran after the request was answered 503 would hold the key for nothing.
+                busy_timeout=operation_timeout * _LOCK_SHARE,
+            )
+            self._database = Database(engine, owned=True)
         self._operation_timeout = operation_timeout
         self._errors: tuple[type[Exception], ...] = (
-            *self._driver.errors,
+            *self._database.errors,
             OSError,
             TimeoutError,
         )
-        self._claim_sql = CLAIMS[self._driver.dialect_name]
-        self._purge = PURGES[self._driver.dialect_name]
-        self._settling = (
-            SETTLING.get(self._driver.dialect_name, SILENT) if settlement_notices else SILENT
-        )
+        dialect = self._database.dialect_name
+        self._claim_sql = CLAIMS[dialect]
+        self._purge = PURGES[dialect]
+        self._settling = SETTLING.get(dialect, SILENT) if settlement_notices else SILENT
         self._feeds = Feeds()
 
     def __repr__(self) -> str:
-        return f"SQLStore({shown_url(self._driver.url)})"
+        return f"SQLStore({shown_url(self._database.url)})"
 
     async def _claim(
         self,
@@ -136,17 +139,13 @@ class SQLStore(SQLInspection, ClaimsWithToken):
             "p_ttl_ms": int(ttl * 1000),
             "p_lease_ms": int(lease * 1000),
         }
-        # In a file of the callers' own machine, a claim that a crash lost is a lease that
-        # lapsed: every process that could run under it ended too. So its commit needs no flush
-        # of its own; the next one that waits for the disk (the completion) makes it last.
-        durable = durable and not self._driver.on_callers_machine
         # A record the read finds live decides the outcome without a write (a replay is one
         # statement). Otherwise the atomic upsert decides; if another request won it in between,
         # the next attempt reads that request's record.
         for _ in range(3):
             live, taken = await self._call(
                 "claim",
-                lambda ends: self._claim_sql.attempt(self._driver, params, ends, durable=durable),
+                lambda ends: self._claim_sql.attempt(self._database, params, ends, durable=durable),
             )
             if taken:
                 return Claim(ClaimOutcome.ACQUIRED, token=token)
@@ -159,7 +158,7 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         """See :class:`~idempotency_mw.stores.base.KeyLookup`: one SELECT."""
         params = {**_record_of(scope, key), "p_binding": binding}
         rows = await self._call(
-            "lookup", lambda ends: self._driver.fetch(LOOKUP, params, deadline=ends)
+            "lookup", lambda ends: self._database.fetch(LOOKUP, params, deadline=ends)
         )
         if not rows:
             return None
@@ -227,17 +226,17 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         durable: bool = True,
     ) -> bool:
         """Run a statement that settles the record: whether it changed it."""
-        driver = self._driver
+        database = self._database
         if self._settling.announce:
             params = {**params, "p_digest": key_hash(scope, key)}
             rows = await self._call(
                 operation,
-                lambda ends: driver.fetch(statement, params, deadline=ends, durable=durable),
+                lambda ends: database.fetch(statement, params, deadline=ends, durable=durable),
             )
             return len(rows) == 1
         changed = await self._call(
             operation,
-            lambda ends: driver.change(statement, params, deadline=ends, durable=durable),
+            lambda ends: database.change(statement, params, deadline=ends, durable=durable),
         )
         return changed == 1
 
@@ -245,12 +244,12 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         """Pass the digest of each record any worker settles to ``on_settled``, until cancelled
         or closed (see :class:`~idempotency_mw.stores.base.SettlementFeed`).
 
-        PostgreSQL through asyncpg only: one connection outside the pool LISTENs, opened here
-        and again after a loss. Raises
+        PostgreSQL through asyncpg only: one connection that the engine opens, taken out of its
+        pool, LISTENs, opened here and again after a loss. Raises
         :class:`~idempotency_mw.exceptions.SettlementFeedUnsupported` on SQLite and
         MariaDB/MySQL, and for an engine on another PostgreSQL driver.
         """
-        connect = notify.connector(self._driver, repr(self))
+        connect = notify.connector(self._database.engine, repr(self))
         if not self._settling.announce:
             raise SettlementFeedUnsupported(
                 f"{self!r} announces no settlements, so waiters poll: give it "
@@ -274,7 +273,7 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         nothing: it writes the claim's record again, its effect committed, if no record of the
         key is there (the claim was lost in a crash before its flush, or purged), and changes
         one row if it did."""
-        return REFENCE[self._driver.dialect_name], {
+        return REFENCE[self._database.dialect_name], {
             **_record_of(claim.scope, claim.key),
             "p_token": claim.token,
             "p_fingerprint": claim.fingerprint,
@@ -286,7 +285,12 @@ class SQLStore(SQLInspection, ClaimsWithToken):
     @property
     def url(self) -> URL:
         """The database's URL (with its password), to compare with an application's engine."""
-        return self._driver.url
+        return self._database.url
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine the store runs on: the one it was given, or the one it made."""
+        return self._database.engine
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
         params = {"p_batch_size": batch_size}
@@ -294,21 +298,20 @@ class SQLStore(SQLInspection, ClaimsWithToken):
 
     async def startup(self) -> None:
         await self._call(
-            "startup check", lambda ends: self._driver.run_sync(check_schema, deadline=ends)
+            "startup check", lambda ends: self._database.run_sync(check_schema, deadline=ends)
         )
 
     async def aclose(self) -> None:
         await self._feeds.close()
-        await self._driver.aclose()
+        await self._database.aclose()
 
     def _change(self, statement: Executable, params: dict[str, Any], ends: float) -> Awaitable[int]:
-        return self._driver.change(statement, params, deadline=ends)
+        return self._database.change(statement, params, deadline=ends)
 
     async def _call(self, operation: str, call: Callable[[float], Awaitable[T]]) -> T:
         """``call(deadline)`` within the operation timeout; its failures become StoreError."""
-        # Work the driver hands to a thread must give up before the caller stops waiting: a
-        # statement that ran after the request was answered 503 would hold the key for nothing.
-        ends = time.monotonic() + self._operation_timeout * _THREAD_SHARE
+        # No statement runs again once the caller is about to stop waiting.
+        ends = time.monotonic() + self._operation_timeout * _LOCK_SHARE
         try:
             async with asyncio.timeout(self._operation_timeout):
                 return await call(ends)

@@ -1,0 +1,164 @@
+"""SQLStore on SQLAlchemy's engine: the options of a URL reach the driver, an engine given is
+the application's, and a dropped connection costs no request."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import asyncpg
+import pytest
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from idempotency_mw import ClaimOutcome, SQLStore, StoredResponse, StoreError
+from idempotency_mw.stores.sql import async_url
+from tests.conftest import (
+    DATABASES,
+    POSTGRESQL_URL,
+    SERVER_DATABASES,
+    fresh_sql_store,
+    require_server,
+)
+
+pytestmark = pytest.mark.anyio
+
+RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id": 1}')
+
+
+async def first_and_replay(store: SQLStore) -> None:
+    """A first request's claim and completion, then its replay."""
+    key = uuid.uuid4().hex
+    claim = await store.claim("", key, "f", ttl=60, lease=60)
+    assert claim.token is not None
+    assert await store.complete("", key, claim.token, RESPONSE, ttl=60)
+    replay = await store.claim("", key, "f", ttl=60, lease=60)
+    assert replay.outcome is ClaimOutcome.REPLAY
+    assert replay.response == RESPONSE
+
+
+@pytest.fixture
+async def postgresql() -> AsyncIterator[asyncpg.Connection]:
+    """A connection of the test's own to the run's PostgreSQL database, its table empty."""
+    require_server(POSTGRESQL_URL)
+    await (await fresh_sql_store(POSTGRESQL_URL)).aclose()
+    connection = await asyncpg.connect(POSTGRESQL_URL)
+    yield connection
+    await connection.close()
+
+
+async def test_a_pgbouncer_url_runs_and_names_its_connections(
+    postgresql: asyncpg.Connection,
+) -> None:
+    # PgBouncer in transaction mode: no prepared statements kept per connection. The name
+    # shows where the store's connections come from, on the server itself.
+    async with named_store("&prepared_statement_cache_size=0") as (store, name):
+        for _ in range(3):
+            await first_and_replay(store)
+        assert await on_the_server(postgresql, "count(*)", name) >= 1
+    assert "prepared_statement_cache_size=0" in repr(store)
+
+
+@asynccontextmanager
+async def named_store(options: str = "") -> AsyncIterator[tuple[SQLStore, str]]:
+    """A store on the run's PostgreSQL database (and more URL ``options``), and the name its
+    connections show on the server (``application_name``); closed after the block."""
+    name = f"idempotency-test-{uuid.uuid4().hex[:8]}"
+    store = SQLStore(f"{POSTGRESQL_URL}?application_name={name}{options}")
+    try:
+        yield store, name
+    finally:
+        await store.aclose()
+
+
+async def on_the_server(postgresql: asyncpg.Connection, what: str, name: str) -> int:
+    """``what`` (an aggregate) of the server's connections named ``name``."""
+    found: int = await postgresql.fetchval(
+        f"SELECT {what} FROM pg_stat_activity WHERE application_name = $1", name
+    )
+    return found
+
+
+@pytest.mark.parametrize(
+    ("driver", "option"),
+    [("asyncpg", "ssl"), ("asyncpg", "sslmode"), ("psycopg", "sslmode")],
+    ids=["asyncpg-ssl", "asyncpg-sslmode", "psycopg-sslmode"],
+)
+async def test_tls_options_reach_the_driver(
+    postgresql: asyncpg.Connection, driver: str, option: str
+) -> None:
+    # The test server has no TLS: "require" fails (the option reached the driver), "prefer"
+    # falls back to a plain connection.
+    url = async_url(POSTGRESQL_URL).set(drivername=f"postgresql+{driver}")
+    refused = SQLStore(url.update_query_dict({option: "require"}), operation_timeout=5)
+    try:
+        with pytest.raises(StoreError, match=r"(?i)ssl"):
+            await refused.claim("", "k", "f", ttl=60, lease=60)
+    finally:
+        await refused.aclose()
+    plain = SQLStore(url.update_query_dict({option: "prefer"}))
+    try:
+        await first_and_replay(plain)
+    finally:
+        await plain.aclose()
+
+
+@pytest.fixture(params=DATABASES)
+async def own_engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
+    """An engine of the application's own, on an empty table."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{request.getfixturevalue('tmp_path') / 'idempotency.db'}"
+    else:
+        url = SERVER_DATABASES[request.param]
+        require_server(url)
+    await (await fresh_sql_store(url)).aclose()
+    engine = create_async_engine(async_url(url))
+    yield engine
+    await engine.dispose()
+
+
+async def test_an_engine_given_is_used_as_it_is_and_never_disposed(
+    own_engine: AsyncEngine,
+) -> None:
+    pool = own_engine.pool
+    sent: list[str] = []
+
+    @event.listens_for(own_engine.sync_engine, "before_cursor_execute")
+    def saw(conn: object, cursor: object, statement: str, *_: object) -> None:
+        sent.append(statement)
+
+    store = SQLStore(own_engine)
+    assert store.engine is own_engine
+    await first_and_replay(store)
+    await store.aclose()
+    # The store's statements went through the application's engine, whose pool is still the
+    # one it had, its connections kept for the application.
+    assert len(sent) >= 3
+    assert own_engine.pool is pool
+    assert pool.checkedin() >= 1  # type: ignore[attr-defined]
+    async with own_engine.connect() as conn:
+        assert (await conn.exec_driver_sql("SELECT 1")).scalar() == 1
+
+
+async def test_an_owned_engine_is_disposed_and_opens_again_when_used(tmp_path: object) -> None:
+    url = f"sqlite:///{tmp_path}/idempotency.db"
+    store = await fresh_sql_store(url)
+    await first_and_replay(store)
+    assert store.engine.pool.checkedin() >= 1  # type: ignore[attr-defined]
+    await store.aclose()
+    assert store.engine.pool.checkedin() == 0  # type: ignore[attr-defined]
+    await first_and_replay(store)
+    await store.aclose()
+
+
+async def test_a_connection_the_server_dropped_costs_no_request(
+    postgresql: asyncpg.Connection,
+) -> None:
+    # The server ends every pooled connection of the store (a restart, an idle timeout), and
+    # the store does not notice until it uses one: the statement runs again on a new one.
+    async with named_store() as (store, name):
+        await first_and_replay(store)
+        ended = await on_the_server(postgresql, "count(pg_terminate_backend(pid))", name)
+        assert ended >= 1
+        await first_and_replay(store)
