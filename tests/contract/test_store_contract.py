@@ -27,6 +27,7 @@ from tests.support.garbage import garbage_of_ours
 
 pytestmark = pytest.mark.anyio
 
+
 @pytest.fixture(params=STORE_PATHS)
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     """An empty store for each way of building one (see ``STORE_PATHS``)."""
