@@ -162,6 +162,9 @@ class Database:
         )
         self._owned = owned
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Statements under way in this loop, and set when there are none.
+        self._running = 0
+        self._settled = asyncio.Event()
         # A made engine is in autocommit already; options made once share the engine's pool.
         self._autocommit = (
             engine if owned else engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -195,6 +198,18 @@ class Database:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             await self._enter(loop)
+        self._running += 1
+        self._settled.clear()
+        try:
+            return await self._with_reruns(run, deadline, durable)
+        finally:
+            self._running -= 1
+            if not self._running:
+                self._settled.set()
+
+    async def _with_reruns(
+        self, run: Callable[[AsyncConnection], Awaitable[T]], deadline: float, durable: bool
+    ) -> T:
         attempt = 0
         while True:
             try:
@@ -224,12 +239,17 @@ class Database:
         """Use the engine from ``loop`` on: an owned engine's pool of another loop is left to
         that loop (SQLAlchemy's ``dispose(close=False)``), a new one opened here."""
         left, self._loop = self._loop, loop
+        self._settled = asyncio.Event()
         if left is not None and self._owned:
             await self.engine.dispose(close=False)
 
     async def aclose(self) -> None:
-        """Close an owned engine's connections; it opens new ones if it is used again."""
+        """Close an owned engine's connections once the statements under way have returned
+        theirs (a connection out of the pool when it is disposed would be left unclosed); it
+        opens new ones if it is used again."""
         if self._owned:
+            if self._running:
+                await self._settled.wait()
             await self.engine.dispose()
 
 
