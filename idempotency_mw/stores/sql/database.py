@@ -19,6 +19,7 @@ from sqlalchemy import Connection, CursorResult
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import AsyncAdaptedQueuePool
 from sqlalchemy.sql.expression import Executable
 
 from idempotency_mw._backoff import Backoff
@@ -104,6 +105,10 @@ def engine_for(
             "max_overflow": MAX_OVERFLOW,
             "pool_recycle": POOL_RECYCLE,
         }
+    elif sqlite_file:
+        # As SQLAlchemy itself pools a file's connections since 2.0.38 (before: none pooled,
+        # each statement a new connection and thread).
+        options["poolclass"] = AsyncAdaptedQueuePool
     if backend in ("mysql", "mariadb") and "init_command" not in parsed.query:
         options["connect_args"] = {"init_command": READ_COMMITTED}
     try:
