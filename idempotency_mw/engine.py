@@ -6,6 +6,7 @@ into a :class:`ClaimRequest`; what happens to a key from there on is decided her
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -135,8 +136,9 @@ class ClaimEngine:
 class Hold:
     """One call's work, and the claim it holds once taken (see :meth:`ClaimEngine.hold`).
 
-    The block is a task group: its body is the work, and the lease keeper, once the claim is
-    taken, its child (renewing from a third of the lease on), cancelled when the work ends.
+    The block's body is the work. Its lease keeper starts a third of the lease after the claim
+    (most work ends sooner, and a loop timer costs far less than a task), in a task that the
+    block cancels and waits for when the work ends.
     """
 
     def __init__(
@@ -148,13 +150,12 @@ class Hold:
         self.engine = engine
         self._answered = answered
         self._on_stopped = on_stopped
-        self._group = anyio.create_task_group()
         #: The work's scope, cancelled when the lease is lost.
         self._work = anyio.CancelScope()
-        #: The lease keeper once the claim is kept: a child of the block, which sleeps until a
-        #: third of the lease after the claim, then renews.
+        #: The lease keeper once the claim is kept, the timer that starts it, and its task.
         self._keeper: LeaseKeeper | None = None
-        self._keeping: anyio.CancelScope | None = None
+        self._starting: asyncio.TimerHandle | None = None
+        self._keeping: asyncio.Task[None] | None = None
         self.call: Call | None = None
         #: The claim ``fence()`` is handed, once acquired.
         self.claim_held: CurrentClaim | None = None
@@ -162,7 +163,6 @@ class Hold:
         self.stopped = False
 
     async def __aenter__(self) -> Hold:
-        await self._group.__aenter__()
         self._work.__enter__()
         return self
 
@@ -175,13 +175,15 @@ class Hold:
         try:
             stopped = self._work.__exit__(kind, error, traceback)
         finally:
+            if self._starting is not None:
+                self._starting.cancel()
             if self._keeping is not None:
                 self._keeping.cancel()
-            # The work's own exception goes on as it was raised: the group only waits for
-            # the keeper (which never raises).
-            await self._group.__aexit__(None, None, None)
-            # The keeper and its timer refer back to the block: let go of them with it.
-            keeper, self._keeper, self._keeping = self._keeper, None, None
+                # The work's own exception goes on as it was raised: the wait only ends the
+                # keeper (which never raises but its cancellation).
+                await asyncio.wait({self._keeping})
+            # The keeper, its timer and its task refer back to the block: let go of them.
+            keeper, self._keeper, self._starting, self._keeping = self._keeper, None, None, None
             if keeper is not None:
                 assert self.call is not None
                 self.call.emit(EventKind.CLAIM_ENDED)
@@ -230,18 +232,25 @@ class Hold:
         )
         call.emit(EventKind.CLAIM_STARTED)
         self._keeper = keeper
-        self._keeping = anyio.CancelScope()
-        self._group.start_soon(self._keep, keeper, self._keeping)
+        self._starting = asyncio.get_running_loop().call_later(
+            keeper.first_renewal_in(), self._start_keeping
+        )
         return self.claim_held
 
-    async def _keep(self, keeper: LeaseKeeper, scope: anyio.CancelScope) -> None:
+    def _start_keeping(self) -> None:
+        # A loop timer's callback runs outside any task, where anyio cannot tell which library
+        # runs the loop: the keeper's task is asyncio's own.
+        assert self._keeper is not None
+        self._starting = None
+        self._keeping = asyncio.get_running_loop().create_task(self._keep(self._keeper))
+
+    async def _keep(self, keeper: LeaseKeeper) -> None:
         """The keeper, until the work ends; its failure is logged (the work goes on)."""
-        with scope:
-            try:
-                await keeper.keep()
-            except Exception:
-                assert self.call is not None
-                logger.exception("the lease keeper of key %s failed", self.call.key_id)
+        try:
+            await keeper.keep()
+        except Exception:
+            assert self.call is not None
+            logger.exception("the lease keeper of key %s failed", self.call.key_id)
 
     def _lost(self) -> None:
         call, claim = self.call, self.claim_held
