@@ -12,6 +12,9 @@ from redis.asyncio.cluster import RedisCluster
 
 from idempotency_mw.exceptions import ConfigurationError
 
+#: The asynchronous clients a store or journal talks through: one server (or Sentinel's
+#: master) or a Cluster.
+AsyncClient = redis.asyncio.Redis | RedisCluster
 Client = TypeVar("Client", bound=redis.Redis | redis.asyncio.Redis | RedisCluster)
 
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
     from redis.typing import EncodableT
 
-    from idempotency_mw.stores.redis.store import AsyncClient
+    from idempotency_mw._redis_client import AsyncClient
 
 T = TypeVar("T")
 

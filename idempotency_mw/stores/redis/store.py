@@ -20,7 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.typing import EncodableT
 
-from idempotency_mw._redis_client import binary_client
+from idempotency_mw._redis_client import AsyncClient, binary_client
 from idempotency_mw._urls import shown_url
 from idempotency_mw.exceptions import ConfigurationError, store_error
 from idempotency_mw.metrics import key_hash
@@ -41,8 +41,6 @@ from idempotency_mw.stores.redis.admin import RedisInspection
 
 T = TypeVar("T")
 
-#: A client RedisStore takes: one server (standalone, or a Sentinel's master) or a cluster.
-AsyncClient = redis.asyncio.Redis | RedisCluster
 #: The socket timeout of a client the store makes from a URL (and how long the settlement feed
 #: waits to subscribe), in seconds.
 DEFAULT_TIMEOUT = 5.0
