@@ -60,7 +60,7 @@ def order_app(engine: Any, store: Any | None, *, declared: bool = False) -> Any:
     insert = text("INSERT INTO bench_orders (id, item) VALUES (:id, :item)")
 
     @app.post(PATH, status_code=201)
-    @idempotent(fenced=True if declared else None)
+    @idempotent(fenced=declared)
     async def order() -> dict[str, str]:
         order_id = uuid.uuid4().hex
         async with engine.begin() as connection:

@@ -37,8 +37,9 @@ from idempotency_mw.functions import (
 )
 from idempotency_mw.lifespan import store_lifespan
 from idempotency_mw.middleware import IdempotencyMiddleware, install
-from idempotency_mw.policy import RouteOptions, idempotent
+from idempotency_mw.policy import idempotent
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
+from idempotency_mw.settings import CallOptions, RouteOptions
 from idempotency_mw.stores.base import Store
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BytesCodec",
+    "CallOptions",
     "Claim",
     "ClaimOutcome",
     "Codec",

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from idempotency_mw._backoff import Backoff
 from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.policy import Duration, to_seconds
+from idempotency_mw.settings import Duration, to_seconds
 
 logger = logging.getLogger("idempotency_mw")
 

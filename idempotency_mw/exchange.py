@@ -22,10 +22,10 @@ from idempotency_mw.fence import (
 from idempotency_mw.fingerprint import request_fingerprint
 from idempotency_mw.metrics import EventKind
 from idempotency_mw.options import Options
-from idempotency_mw.policy import Settings
 from idempotency_mw.problems import Problem, send_problem
 from idempotency_mw.records import Claim, ClaimOutcome
 from idempotency_mw.retention import KeyAnswers
+from idempotency_mw.settings import Settings
 
 logger = logging.getLogger("idempotency_mw")
 

@@ -16,8 +16,8 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from datetime import datetime, timedelta
-from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
+from datetime import datetime
+from typing import Any, ParamSpec, Protocol, TypeVar, Unpack, cast, overload
 
 import anyio.to_thread
 
@@ -35,9 +35,9 @@ from idempotency_mw.lease import Clock
 from idempotency_mw.lifespan import check_store
 from idempotency_mw.metrics import EventHook, EventKind, guard
 from idempotency_mw.options import LeaseLostAction
-from idempotency_mw.policy import Duration, to_seconds
 from idempotency_mw.records import ClaimOutcome, RecordState, StoredResponse
 from idempotency_mw.retention import too_old
+from idempotency_mw.settings import CALL_SETTINGS, CallOptions, settings_of
 from idempotency_mw.stores.base import KeyLookup, Store
 
 logger = logging.getLogger("idempotency_mw")
@@ -157,9 +157,10 @@ def arguments_fingerprint(fn: Callable[..., Any], args: Any, kwargs: Any) -> str
 class IdempotentFunctions:
     """Runs functions once per key on ``store``.
 
-    ``ttl`` is how long a result is kept, ``lease`` how long a running call holds its key
+    ``settings`` are those of every idempotent call (:class:`~idempotency_mw.CallOptions`):
+    ``ttl``, how long a result is kept; ``lease``, how long a running call holds its key
     without renewal (renewed while it runs; a crashed worker's key is taken over once it
-    lapses), ``wait`` how long a repeat waits for a running call before :class:`StillRunning`.
+    lapses); ``wait``, how long a repeat waits for a running call before :class:`StillRunning`.
     ``scope`` is the namespace of the keys (never shared with HTTP requests' records unless
     you say so); ``codec`` stores the return values, at most ``max_result_bytes`` each.
     ``on_event``, ``on_lease_lost`` and ``clock`` are the middleware's. The store's schema is
@@ -170,15 +171,13 @@ class IdempotentFunctions:
         self,
         store: Store,
         *,
-        ttl: Duration = timedelta(hours=24),
-        lease: Duration = timedelta(seconds=60),
-        wait: Duration = 0,
         scope: str = "functions",
         codec: Codec | None = None,
         max_result_bytes: int = 1 << 20,
         on_event: EventHook | None = None,
         on_lease_lost: LeaseLostAction = "cancel",
         clock: Clock = time.monotonic,
+        **settings: Unpack[CallOptions],
     ) -> None:
         if not scope:
             raise ConfigurationError("scope must be a non-empty string")
@@ -186,9 +185,7 @@ class IdempotentFunctions:
             raise ConfigurationError("max_result_bytes must not be negative")
         if on_lease_lost not in ("cancel", "continue"):
             raise ConfigurationError("on_lease_lost must be 'cancel' or 'continue'")
-        self.ttl = to_seconds(ttl, "ttl")
-        self.lease = to_seconds(lease, "lease")
-        self.wait = to_seconds(wait, "wait", zero=True)
+        self.settings = settings_of(settings, names=CALL_SETTINGS)
         self.scope = scope
         self.codec: Codec = codec or JSONCodec()
         self.max_result_bytes = max_result_bytes
@@ -320,9 +317,9 @@ class IdempotentFunctions:
             scope or self.scope,
             key,
             fingerprint,
-            ttl=self.ttl,
-            lease=self.lease,
-            wait=self.wait,
+            ttl=self.settings.ttl,
+            lease=self.settings.lease,
+            wait=self.settings.wait,
             binding=binding,
         )
         call = self.engine.call(request, method="CALL", route=name)
@@ -344,10 +341,11 @@ class IdempotentFunctions:
                 raise self._refusal(claim.outcome)
             assert hold.claim_held is not None
             token = hold.claim_held.token
-            if too_old(sent, self.ttl, time.time()):
+            ttl = self.settings.ttl
+            if too_old(sent, ttl, time.time()):
                 await call.release(token)  # no record was found: none is left behind
                 raise KeyExpired(
-                    f"this call was first sent longer ago than its key is kept ({self.ttl:g} s), "
+                    f"this call was first sent longer ago than its key is kept ({ttl:g} s), "
                     "or later than now: whether it ran cannot be told, so it did not run"
                 )
             reset = current_claim.set(hold.claim_held)
@@ -401,7 +399,7 @@ class IdempotentFunctions:
         if outcome is ClaimOutcome.IN_PROGRESS:
             return StillRunning(
                 "a call with this key is still running; retry later",
-                retry_after=min(self.lease, max(self.wait, 1.0)),
+                retry_after=min(self.settings.lease, max(self.settings.wait, 1.0)),
             )
         if outcome is ClaimOutcome.MISMATCH:
             return KeyReused("this key was used with other arguments; use a new key for a new call")

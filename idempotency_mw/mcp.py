@@ -23,8 +23,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
-from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
@@ -58,9 +57,9 @@ from idempotency_mw.functions import (
 from idempotency_mw.keys import is_valid_key, key_rule
 from idempotency_mw.lookup import state_json
 from idempotency_mw.metrics import EventHook
-from idempotency_mw.policy import Duration
 from idempotency_mw.problems import RETRYABLE, Problem
 from idempotency_mw.retention import parse_first_sent
+from idempotency_mw.settings import CallOptions
 from idempotency_mw.stores.base import Store
 
 logger = logging.getLogger("idempotency_mw")
@@ -123,8 +122,9 @@ class IdempotentTools(Extension):
     record then bound to the caller's credentials (the SDK's authenticated client, or the
     ``Authorization`` header of the HTTP request) so that another caller never gets it; or a
     callable of the request context that returns the caller's namespace, which alone then
-    decides (return one string for every caller to share records on purpose). ``ttl``,
-    ``lease``, ``wait``, ``max_result_bytes`` and ``on_event`` are
+    decides (return one string for every caller to share records on purpose). The settings
+    (``ttl``, ``lease``, ``wait``: :class:`~idempotency_mw.CallOptions`),
+    ``max_result_bytes`` and ``on_event`` are
     :class:`~idempotency_mw.functions.IdempotentFunctions`'. Advertised in the server's
     capabilities (``extensions``); put :data:`TOOL_META` in a protected tool's ``meta=`` to
     say so in ``tools/list`` too.
@@ -137,24 +137,20 @@ class IdempotentTools(Extension):
         store: Store,
         *,
         tools: Collection[str] | None = None,
-        ttl: Duration = timedelta(hours=24),
-        lease: Duration = timedelta(seconds=60),
-        wait: Duration = 0,
         scope: Scope = "mcp",
         max_result_bytes: int = 1 << 20,
         on_event: EventHook | None = None,
+        **settings: Unpack[CallOptions],
     ) -> None:
         self.protected = None if tools is None else frozenset(tools)
         self.scope = scope
         self.functions = IdempotentFunctions(
             store,
-            ttl=ttl,
-            lease=lease,
-            wait=wait,
             scope=scope if isinstance(scope, str) else "mcp",
             codec=ToolResultCodec(),
             max_result_bytes=max_result_bytes,
             on_event=on_event,
+            **settings,
         )
 
     def settings(self) -> dict[str, Any]:

@@ -7,8 +7,7 @@ import inspect
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -29,7 +28,7 @@ from idempotency_mw.options import (
     LeaseLostAction,
     build_options,
 )
-from idempotency_mw.policy import Duration, FingerprintMode, RouteOptions, RouteTable, app_routes
+from idempotency_mw.policy import RouteTable, app_routes
 from idempotency_mw.problems import Problem, send_problem
 from idempotency_mw.retention import (
     FIRST_SENT_HEADER,
@@ -37,6 +36,7 @@ from idempotency_mw.retention import (
     KeyAnswers,
     parse_http_date,
 )
+from idempotency_mw.settings import RouteOptions
 from idempotency_mw.stores.base import Store
 
 logger = logging.getLogger("idempotency_mw")
@@ -50,13 +50,15 @@ class IdempotencyMiddleware:
     gets 409 (or 422); a repeat while the first still runs gets 409 with ``Retry-After``.
     The key is claimed at the endpoint's door (after FastAPI's validation and the route's
     dependencies; see :mod:`idempotency_mw.door`), and every answer below 500 of an endpoint
-    that began is recorded. Settings given here are defaults; ``@idempotent`` and the
-    ``routes`` mapping override them per route. An app whose routes the middleware cannot read
-    (Litestar, a bare ASGI callable) is guarded by method and path. During the app's lifespan
-    the store is checked, expired records are purged on the ``purge`` schedule (``None`` turns
-    that off, e.g. when a cron job runs ``idempotency-mw purge``) and the store is closed at
-    shutdown; ``lifespan=False`` leaves all of that to
-    :func:`~idempotency_mw.lifespan.store_lifespan` in the app's own lifespan.
+    that began is recorded. The route settings given here by name
+    (:class:`~idempotency_mw.RouteOptions`: ``ttl``, ``lease``, ``required``, ``wait``,
+    ``fingerprint``, ``release_statuses``, ``fenced``, ``max_request_bytes``) are every
+    route's defaults; ``@idempotent`` and the ``routes`` mapping override them per route. An
+    app whose routes the middleware cannot read (Litestar, a bare ASGI callable) is guarded by
+    method and path. During the app's lifespan the store is checked, expired records are
+    purged on the ``purge`` schedule (``None`` turns that off, e.g. when a cron job runs
+    ``idempotency-mw purge``) and the store is closed at shutdown; ``lifespan=False`` leaves
+    all of that to :func:`~idempotency_mw.lifespan.store_lifespan` in the app's own lifespan.
     """
 
     def __init__(
@@ -64,9 +66,6 @@ class IdempotencyMiddleware:
         app: ASGIApp,
         *,
         store: Store,
-        ttl: Duration = timedelta(hours=24),
-        lease: Duration = timedelta(seconds=60),
-        required: bool = False,
         methods: Iterable[str] = DEFAULT_METHODS,
         header_name: str = "Idempotency-Key",
         request_id_header: str | None = REQUEST_ID_HEADER,
@@ -77,13 +76,8 @@ class IdempotencyMiddleware:
         credential_headers: Iterable[str] = ("authorization",),
         credential_cookies: Iterable[str] = (),
         fingerprint_headers: Iterable[str] = (),
-        max_request_bytes: int = 1 << 20,
         max_response_bytes: int = 1 << 20,
         max_header_bytes: int = 1 << 16,
-        release_statuses: Iterable[int] = (),
-        fingerprint: FingerprintMode = "bytes",
-        wait: Duration = 0,
-        fenced: bool = False,
         store_server_errors: bool = False,
         mismatch_status: int = 409,
         fail_open: bool = False,
@@ -94,6 +88,7 @@ class IdempotencyMiddleware:
         purge: PurgeSchedule | None = PurgeSchedule(),  # noqa: B008  (frozen, so shareable)
         lifespan: bool = True,
         on_event: EventHook | None = None,
+        **settings: Unpack[RouteOptions],
     ) -> None:
         # Every parameter but app is an option, listed (with its default) for readers and
         # type checkers and handed on as it is: a new option is one more parameter here.

@@ -12,7 +12,7 @@ from idempotency_mw._asgi import REPLAYED_HEADER
 from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.metrics import EventHook, guard
-from idempotency_mw.policy import RouteOptions, Settings
+from idempotency_mw.settings import RouteOptions, Settings, settings_of
 from idempotency_mw.stores.base import KeyLookup, Store, takes_keyword
 
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -101,12 +101,11 @@ def build_options(
     purge: PurgeSchedule | None,
     lifespan: bool,
     on_event: EventHook | None,
-    **route_defaults: object,
+    settings: Mapping[str, object],
 ) -> Options:
     """The options of :class:`~idempotency_mw.IdempotencyMiddleware`, validated: its
     constructor's keyword arguments (documented and given their defaults there), the route
-    settings among them (``ttl``, ``lease``, ``max_request_bytes``, ... : the fields of
-    :class:`~idempotency_mw.policy.RoutePolicy`) as ``route_defaults``."""
+    settings (:class:`~idempotency_mw.RouteOptions`) among them as ``settings``."""
     if not isinstance(store, Store):
         raise ConfigurationError(f"store must implement the Store protocol, got {store!r}")
     if not takes_keyword(store.claim, "binding"):
@@ -137,7 +136,7 @@ def build_options(
     fingerprinted = tuple(sorted({name.lower() for name in fingerprint_headers}))
     return Options(
         store=store,
-        defaults=Settings.defaults(route_defaults),
+        defaults=settings_of(settings),
         methods=frozenset(method.upper() for method in methods),
         header_name=header_name,
         request_id_header=None if request_id_header is None else request_id_header.lower(),

@@ -9,202 +9,42 @@ not ours to guard or record.
 from __future__ import annotations
 
 import fnmatch
-import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
-from datetime import timedelta
-from typing import Any, Literal, TypedDict, TypeVar, cast
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, TypeVar, Unpack, cast
 
 from starlette.routing import Match, Router
 from starlette.types import Scope
 
 from idempotency_mw.door import with_scope_dependency
 from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.settings import Overrides, RouteOptions, combined, overrides
 
 _POLICY_ATTRIBUTE = "__idempotency_policy__"
 #: Resolutions kept per middleware; paths with ids in them would otherwise grow it without end.
 _CACHE_SIZE = 2048
 
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
-T = TypeVar("T")
-Duration = float | timedelta
-
-
-def to_seconds(value: Duration, name: str, *, zero: bool = False) -> float:
-    """Seconds from a number or a timedelta; anything not positive (or, with ``zero``, negative)
-    is a configuration error."""
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not (seconds >= 0 if zero else seconds > 0):
-        raise ConfigurationError(f"{name} must be a positive duration, got {value!r}")
-    return seconds
-
-
-#: How a request body enters the fingerprint: its bytes, or (JSON bodies) its canonical JSON.
-FingerprintMode = Literal["bytes", "json"]
-
-
-def statuses(values: Iterable[int]) -> frozenset[int]:
-    """HTTP statuses from 400 to 499, validated: only refusals may release a key."""
-    found = frozenset(values)
-    wrong = sorted(str(v) for v in found if not (isinstance(v, int) and 400 <= v <= 499))
-    if wrong:
-        raise ConfigurationError(f"release_statuses must be 4xx statuses, got {wrong}")
-    return found
-
-
-def fingerprint_mode(value: str) -> FingerprintMode:
-    """``"bytes"`` or ``"json"``, validated."""
-    if value == "bytes":
-        return "bytes"
-    if value == "json":
-        return "json"
-    raise ConfigurationError(f"fingerprint must be 'bytes' or 'json', got {value!r}")
-
-
-def byte_count(value: int, name: str) -> int:
-    """A size in bytes, validated: an int, not negative."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigurationError(f"{name} must be a number of bytes (0 or more), got {value!r}")
-    return value
-
-
-def _as_given(value: T) -> T:
-    return value
-
-
-def _flag(name: str) -> Callable[[object], bool]:
-    def check(value: object) -> bool:
-        if not isinstance(value, bool):
-            raise ConfigurationError(f"{name} must be True or False, got {value!r}")
-        return value
-
-    return check
-
-
-def _duration(name: str, *, zero: bool = False) -> Callable[[Duration], float]:
-    return functools.partial(to_seconds, name=name, zero=zero)
-
-
-#: A field's metadata: what turns a value a user gives into the value kept (or raises
-#: :class:`ConfigurationError`).
-_CHECK = "check"
-
-
-@dataclass(frozen=True, slots=True)
-class RoutePolicy:
-    """Settings of one route; ``None`` means "the middleware's default".
-
-    The one declaration of the per-route settings, each with its validation. The others follow
-    it: :class:`Settings` (the same fields, resolved), :class:`RouteOptions` (the ``routes``
-    entries, for type checkers), and the keyword parameters of :func:`idempotent` and of the
-    middleware (listed for their readers); ``tests/test_route_settings.py`` checks they agree.
-    """
-
-    ttl: float | None = field(default=None, metadata={_CHECK: _duration("ttl")})
-    required: bool | None = field(default=None, metadata={_CHECK: _as_given})
-    lease: float | None = field(default=None, metadata={_CHECK: _duration("lease")})
-    release_statuses: frozenset[int] | None = field(default=None, metadata={_CHECK: statuses})
-    fingerprint: FingerprintMode | None = field(default=None, metadata={_CHECK: fingerprint_mode})
-    wait: float | None = field(default=None, metadata={_CHECK: _duration("wait", zero=True)})
-    #: The caller's scope comes from the endpoint's dependency (``@idempotent(scope=...)``).
-    scoped: bool | None = field(default=None, metadata={_CHECK: _as_given})
-    #: The endpoint commits its effect with ``fence()``: its claim and completion skip their
-    #: own flush to disk (the fenced commit is the one that must last).
-    fenced: bool | None = field(default=None, metadata={_CHECK: _flag("fenced")})
-    max_request_bytes: int | None = field(
-        default=None,
-        metadata={_CHECK: functools.partial(byte_count, name="max_request_bytes")},
-    )
-
-    @classmethod
-    def of(cls, given: Mapping[str, object]) -> RoutePolicy:
-        """The policy of the settings ``given`` by name, validated (``None`` leaves one unset)."""
-        checks = {f.name: f.metadata[_CHECK] for f in fields(cls)}
-        unknown = sorted(set(given) - set(checks))
-        if unknown:
-            raise ConfigurationError(f"unknown route settings: {unknown}")
-        return cls(**{name: None if v is None else checks[name](v) for name, v in given.items()})
-
-    def settings(self) -> dict[str, Any]:
-        """The settings this policy sets, by name."""
-        return {name: value for name in _NAMES if (value := getattr(self, name)) is not None}
-
-
-_NAMES = tuple(f.name for f in fields(RoutePolicy))
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """The settings that apply to one request, all resolved: the fields of :class:`RoutePolicy`."""
-
-    ttl: float
-    required: bool
-    lease: float
-    release_statuses: frozenset[int]
-    fingerprint: FingerprintMode
-    wait: float
-    max_request_bytes: int
-    scoped: bool = False
-    fenced: bool = False
-
-    @classmethod
-    def defaults(cls, given: Mapping[str, object]) -> Settings:
-        """The middleware's defaults, validated as a route's settings are."""
-        return cls(**RoutePolicy.of(given).settings())
-
-    def merge(self, policy: RoutePolicy | None) -> Settings:
-        """These settings overridden by whatever ``policy`` sets."""
-        return self if policy is None else replace(self, **policy.settings())
-
-
-class RouteOptions(TypedDict, total=False):
-    """Keyword options of :func:`idempotent`, as values of the middleware's ``routes`` mapping."""
-
-    ttl: Duration
-    required: bool
-    lease: Duration
-    release_statuses: Iterable[int]
-    fingerprint: FingerprintMode
-    wait: Duration
-    fenced: bool
-    max_request_bytes: int
 
 
 def idempotent(
-    *,
-    ttl: Duration | None = None,
-    required: bool | None = None,
-    lease: Duration | None = None,
-    release_statuses: Iterable[int] | None = None,
-    fingerprint: FingerprintMode | None = None,
-    wait: Duration | None = None,
-    fenced: bool | None = None,
-    max_request_bytes: int | None = None,
-    scope: object = None,
+    *, scope: object = None, **options: Unpack[RouteOptions]
 ) -> Callable[[Endpoint], Endpoint]:
     """Per-route settings for the endpoint it decorates (put it below the route decorator).
 
-    ``ttl``: how long a completed response is replayed (seconds or timedelta);
-    ``required``: whether requests without a key are rejected with 400;
-    ``lease``: how long an in-progress claim is honoured before a retry may take it over;
-    ``release_statuses``: 4xx answers of this endpoint that prove it did nothing, so the key
-    is released instead of recorded (by default every answer below 500 is recorded);
-    ``fingerprint``: ``"json"`` to compare JSON bodies by content, not bytes;
-    ``wait``: how long a duplicate waits for the first request's outcome before 409;
-    ``fenced``: ``True`` when the endpoint commits its effect with ``fence()``: the claim and
-    the completion then skip their own flush to disk where the store's database allows it
-    (the fenced commit decides; a request that returns without ``fence()`` is recorded
-    durably, and logged once);
-    ``max_request_bytes``: the largest keyed request body this route fingerprints (413 above);
+    ``options`` are the route's settings (:class:`~idempotency_mw.RouteOptions`: ``ttl``,
+    ``required``, ``lease``, ``release_statuses``, ``fingerprint``, ``wait``, ``fenced``,
+    ``max_request_bytes``): what they set overrides the middleware's defaults and the
+    ``routes`` mapping.
     ``scope``: a FastAPI dependency (``Depends(current_user)``) whose value, a non-empty
     string, is the caller's scope of this route's keys; its own errors (a 401) are the app's
     answers, given before any key is claimed. The endpoint is then wrapped, so that FastAPI
     resolves the dependency with the endpoint's others.
     """
-    # The parameters but scope are the route settings: listed for readers and type checkers,
-    # and taken as they are, so that a new setting is one more parameter here.
-    given = {name: value for name, value in locals().items() if name != "scope"}
-    policy = RoutePolicy.of({**given, "scoped": True if scope is not None else None})
+    policy = overrides(options, where=" of @idempotent")
+    if scope is not None:
+        policy = MappingProxyType({**policy, "scoped": True})
 
     def decorate(endpoint: Endpoint) -> Endpoint:
         if scope is not None:
@@ -229,7 +69,8 @@ class Resolved:
     """A request's route: its full template and the policy that applies to it."""
 
     template: str
-    policy: RoutePolicy | None
+    #: The settings the route's sources set (``None``: the middleware's defaults).
+    policy: Overrides | None
     #: The route object the app dispatches to (``None`` where the app's routes are opaque).
     route: object = None
 
@@ -243,14 +84,11 @@ class RouteTable:
     """
 
     def __init__(self, routes: Mapping[str, RouteOptions] | None) -> None:
-        self._exact: dict[tuple[str | None, str], RoutePolicy] = {}
-        self._patterns: list[tuple[str | None, str, RoutePolicy]] = []
+        self._exact: dict[tuple[str | None, str], Overrides] = {}
+        self._patterns: list[tuple[str | None, str, Overrides]] = []
         for entry, options in (routes or {}).items():
-            unknown = set(options) - set(RouteOptions.__annotations__)
-            if unknown:
-                raise ConfigurationError(f"unknown options for route {entry!r}: {sorted(unknown)}")
             method, template = _split_entry(entry)
-            policy = RoutePolicy.of(options)
+            policy = overrides(options, where=f" for route {entry!r}")
             if any(char in template for char in "*?["):
                 self._patterns.append((method, template, policy))
             else:
@@ -258,12 +96,12 @@ class RouteTable:
         self._tree: _Tree | None = None
         self._cache: dict[tuple[str, str, str, str], Resolved | None] = {}
 
-    def policy_for(self, method: str, template: str, endpoint: object) -> RoutePolicy | None:
-        """The route's settings, field by field from the most specific source that sets them:
-        the decorator, then an exact entry with the method, without it, then globs (those with
+    def policy_for(self, method: str, template: str, endpoint: object) -> Overrides | None:
+        """The route's settings, each from the most specific source that sets it: the
+        decorator, then an exact entry with the method, without it, then globs (those with
         the method first, each kind in the order given)."""
-        sources: list[RoutePolicy] = []
-        decorated: RoutePolicy | None = getattr(endpoint, _POLICY_ATTRIBUTE, None)
+        sources: list[Overrides] = []
+        decorated: Overrides | None = getattr(endpoint, _POLICY_ATTRIBUTE, None)
         if decorated is not None:
             sources.append(decorated)
         sources += [
@@ -276,13 +114,7 @@ class RouteTable:
         ]
         sources += [p for m, p in matching if m is not None]
         sources += [p for m, p in matching if m is None]
-        if len(sources) <= 1:
-            return sources[0] if sources else None
-        # The first source that sets a field wins: merged from the least specific up.
-        merged: dict[str, Any] = {}
-        for source in reversed(sources):
-            merged.update(source.settings())
-        return RoutePolicy(**merged)
+        return combined(sources)
 
     def unmatched_entries(self, routes: Sequence[RouteInfo]) -> list[str]:
         """Entries of the mapping that name no route of the app (reported at start-up)."""

@@ -122,6 +122,6 @@ def test_install_refuses_wrong_options_and_adds_nothing() -> None:
     app = FastAPI()
     with pytest.raises(ConfigurationError, match="mismatch_status"):
         install(app, store=MemoryStore(), mismatch_status=418)
-    with pytest.raises(TypeError, match="unknown"):
+    with pytest.raises(ConfigurationError, match=r"unknown settings: \['unknown'\]"):
         install(app, store=MemoryStore(), unknown=1)
     assert app.user_middleware == []

@@ -275,7 +275,7 @@ async def test_settings_merge_field_by_field_across_the_decorator_and_the_mappin
         routes={"/v1/*": {"required": True, "ttl": 5}, "POST /v1/jobs": {"lease": 7}},
     ).routes.policy_for("POST", "/v1/jobs", start_job)
     assert policy is not None
-    assert (policy.ttl, policy.required, policy.lease) == (60, True, 7)
+    assert (policy["ttl"], policy["required"], policy["lease"]) == (60, True, 7)
 
 
 def test_a_mounted_fastapi_sub_app_documents_the_key_it_requires() -> None:
