@@ -174,13 +174,12 @@ async def open_proof_table(url: str) -> AsyncIterator[ProofTable]:
     """The fence() proof table of the database at ``url``, checked (a missing table is a
     SchemaError naming ``migrate --proofs``); its engine is disposed afterwards."""
     from sqlalchemy import inspect
-    from sqlalchemy.ext.asyncio import create_async_engine
 
     from idempotency_mw.proofs import PROOF_TABLE, ProofTable
-    from idempotency_mw.stores.sql import async_url
+    from idempotency_mw.stores.sql.migrate import plain_engine
 
     _refuse_a_missing_sqlite_file(url)
-    engine = create_async_engine(async_url(url))
+    engine = plain_engine(url)
     try:
         async with engine.connect() as connection:
             present = await connection.run_sync(lambda conn: inspect(conn).has_table(PROOF_TABLE))

@@ -14,12 +14,11 @@ from logging.config import fileConfig
 
 from alembic import context
 from sqlalchemy import Connection
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw.alembic import VERSION_TABLE
 from idempotency_mw.proofs import proof_metadata
 from idempotency_mw.stores.sql import async_url
-from idempotency_mw.stores.sql.migrate import migration_lock
+from idempotency_mw.stores.sql.migrate import migration_lock, plain_engine
 from idempotency_mw.stores.sql.schema import metadata
 
 #: The proof table's history is kept in a version table of its own (see ``migrate.py``).
@@ -66,7 +65,7 @@ def _migrate(connection: Connection) -> None:
 
 
 async def _run_online() -> None:
-    engine = create_async_engine(async_url(_url()))
+    engine = plain_engine(_url())
     driver_log = logging.getLogger("asyncmy")
     driver_log.addFilter(_not_a_primary_key_name_note)
     try:

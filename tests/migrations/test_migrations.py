@@ -30,7 +30,9 @@ from idempotency_mw.cli import main
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.migrate import alembic_config, upgrade
 from idempotency_mw.stores.sql.schema import SCHEMA_REVISION, TABLE_NAME, metadata, records
+from tests.conftest import POSTGRESQL_URL, require_server
 from tests.support import warm
+from tests.support.scratch import scratch_database
 
 T = TypeVar("T")
 
@@ -266,6 +268,21 @@ def test_cli_migrate_and_downgrade(fresh_database: str, capsys: pytest.CaptureFi
     downgraded = _on_connection(url, _snapshot)
     assert TABLE_NAME not in downgraded.tables
     assert downgraded.versions == []
+
+
+def test_the_stores_url_with_driver_options_migrates_and_purges(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One URL for the store and its commands: the options asyncpg's ``connect()`` does not
+    take itself (``application_name``, libpq's ``sslmode``) reach PostgreSQL as SQLStore passes
+    them, for ``migrate`` and ``purge --proofs`` too, never as an argument asyncpg refuses."""
+    require_server(POSTGRESQL_URL)
+    with scratch_database(POSTGRESQL_URL, "options") as database:
+        url = f"{database}?application_name=idempotency-migrate&sslmode=prefer"
+        for command in (["migrate"], ["migrate", "--proofs"], ["purge", "--proofs"]):
+            assert main([*command, "--url", url]) == 0, capsys.readouterr().err
+        assert main(["stats", "--url", url]) == 0, capsys.readouterr().err
+    capsys.readouterr()
 
 
 def test_cli_migrates_the_proof_table_on_its_own_branch(

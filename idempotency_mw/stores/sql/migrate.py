@@ -12,15 +12,27 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection
 from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw.alembic import PROOF_VERSION_TABLE
-from idempotency_mw.stores.sql.database import async_url
+from idempotency_mw.stores.sql.database import _asyncpg_settings, async_url
 from idempotency_mw.stores.sql.store import SQLStore
 
 #: The advisory lock migrations hold (PostgreSQL's is a number, MariaDB's a name).
 _LOCK_ID, _LOCK_NAME = 7_305_944_173_201, "idempotency_mw_migrations"
 #: How long MariaDB's GET_LOCK waits, in seconds (it takes no "forever").
 _LOCK_WAIT = 600
+
+
+def plain_engine(url: str | URL) -> AsyncEngine:
+    """An engine on ``url`` in the driver's own transactions (the migrations, the proof table),
+    the URL's options passed to the driver as :class:`SQLStore` passes them: the URL that
+    serves the store migrates it."""
+    parsed = async_url(url)
+    if parsed.get_driver_name() != "asyncpg":
+        return create_async_engine(parsed)
+    parsed, connect_args = _asyncpg_settings(parsed)
+    return create_async_engine(parsed, connect_args=connect_args)
 
 
 @contextmanager
