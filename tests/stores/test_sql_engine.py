@@ -4,9 +4,10 @@ the application's, and a dropped connection costs no request."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
+import anyio
 import asyncpg
 import pytest
 from sqlalchemy import event
@@ -17,10 +18,12 @@ from idempotency_mw.stores.sql import async_url
 from tests.conftest import (
     DATABASES,
     POSTGRESQL_URL,
+    REQUIRE_SERVERS,
     SERVER_DATABASES,
     fresh_sql_store,
     require_server,
 )
+from tests.support.pgbouncer import PROGRAM, pgbouncer
 
 pytestmark = pytest.mark.anyio
 
@@ -58,6 +61,38 @@ async def test_a_pgbouncer_url_runs_and_names_its_connections(
             await first_and_replay(store)
         assert await on_the_server(postgresql, "count(*)", name) >= 1
     assert "prepared_statement_cache_size=0" in repr(store)
+
+
+@pytest.fixture
+def through_pgbouncer(postgresql: asyncpg.Connection) -> Iterator[str]:
+    """The run's PostgreSQL database, its table empty, through a PgBouncer in transaction mode."""
+    if PROGRAM is None:
+        if REQUIRE_SERVERS:
+            pytest.fail("pgbouncer is needed (IDEMPOTENCY_REQUIRE_SERVERS=1)")
+        pytest.skip("pgbouncer is not installed")
+    with pgbouncer(POSTGRESQL_URL) as url:
+        yield url
+
+
+async def test_behind_pgbouncer_in_transaction_mode_on_psycopg_without_prepared_statements(
+    through_pgbouncer: str,
+) -> None:
+    # The docs' recipe (stores/sql.md): PgBouncer in transaction mode hands each statement
+    # outside a transaction to any of its server connections, so a statement prepared on one is
+    # not there on the next; psycopg without prepared statements sends each one whole.
+    engine = create_async_engine(
+        async_url(through_pgbouncer).set(drivername="postgresql+psycopg"),
+        connect_args={"prepare_threshold": None},
+    )
+    store = SQLStore(engine)
+    try:
+        for _ in range(3):  # more requests at once than PgBouncer has server connections
+            async with anyio.create_task_group() as requests:
+                for _ in range(20):
+                    requests.start_soon(first_and_replay, store)
+    finally:
+        await store.aclose()
+        await engine.dispose()
 
 
 @asynccontextmanager
