@@ -32,8 +32,13 @@ def binary_client(
     if client is None:
         try:
             client = make(str(url))
-        except ValueError as exc:
-            raise ConfigurationError(f"not a Redis URL: {exc}") from exc
+            if isinstance(client, redis.Redis | redis.asyncio.Redis):
+                # redis-py hands a URL's options to each connection it opens: one it does not
+                # know (a misspelt ?health_check_interval=) would fail every command later.
+                pool = client.connection_pool
+                pool.connection_class(**pool.connection_kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ConfigurationError(f"not a Redis URL redis-py takes: {exc}") from exc
     if client.get_encoder().decode_responses:
         raise ConfigurationError(
             f"{owner} needs a Redis client with decode_responses=False: {holds}"

@@ -205,10 +205,17 @@ async def _is_cluster(url: str) -> bool:
     import redis.asyncio
     from redis.exceptions import RedisError
 
-    try:
-        client = redis.asyncio.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-    except ValueError as exc:
-        raise ConfigurationError(f"not a Redis URL: {exc}") from exc
+    from idempotency_mw._redis_client import binary_client
+
+    client, _ = binary_client(
+        url,
+        None,
+        lambda address: redis.asyncio.Redis.from_url(
+            address, socket_timeout=5, socket_connect_timeout=5
+        ),
+        owner="idempotency-mw",
+        holds="records hold binary response bodies",
+    )
     try:
         info = await client.info("cluster")
     except (RedisError, OSError) as exc:

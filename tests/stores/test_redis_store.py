@@ -377,3 +377,10 @@ async def test_exactly_one_of_url_and_client(redis_client: redis.asyncio.Redis) 
         RedisStore(REDIS_URL, client=client)
     with pytest.raises(ConfigurationError, match="not a Redis URL"):
         RedisStore("http://example.invalid/")
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_a_url_option_redis_py_does_not_take_is_a_configuration_error(cluster: bool) -> None:
+    # redis-py would hand it to every connection it opens, and every command would fail.
+    with pytest.raises(ConfigurationError, match="health_chek_interval"):
+        RedisStore(f"{REDIS_URL}?health_chek_interval=5", cluster=cluster)
