@@ -1,27 +1,44 @@
 """The doors of a route: where a keyed request's endpoint begins.
 
-The middleware claims a key before the app runs (so a replay or a refusal never runs it), and
-gives each route it guards one door, once, that tells when the endpoint began: a FastAPI
-route's on its endpoint function, passed after FastAPI's validation and the route's
-dependencies; a Starlette route's on its ASGI app, passed after every layer inside the
-middleware. Only a request that passed its door has begun, so only its answers are recorded;
-one refused before it (a validation error, a dependency's ``HTTPException``, an inner layer's
-401) releases its key, unless ``fence()`` marked an effect in a dependency. A route whose
-caller scope comes from a dependency (``@idempotent(scope=Depends(...))``) is claimed at its
-endpoint's door instead, where the scope is known; a replay or a refusal found there is
-answered by the middleware, and the endpoint does not run.
+The middleware claims a key before the app runs (so a replay or a refusal never runs it); a
+door tells it whether the endpoint began, and so whether an answer is recorded or its key
+released. Each door is put in place once, before any request, through what the frameworks
+publish:
+
+- the *endpoint's door*: ``@idempotent`` wraps the endpoint function it decorates, before the
+  route is made of it. FastAPI calls it after its request validation and the route's
+  dependencies, Starlette after every layer inside the middleware. One refused before it (a
+  validation error, a dependency's ``HTTPException``, an inner layer's 401) releases its key,
+  unless ``fence()`` marked an effect in a dependency. A route whose caller scope comes from a
+  dependency (``@idempotent(scope=Depends(...))``) is claimed at this door, where the scope is
+  known; a replay or a refusal found there is answered by the middleware, and the endpoint does
+  not run. A generator endpoint gets none (its body runs after the response began), nor does
+  a class (Starlette's ``HTTPEndpoint``).
+- the *route's door*: every other route the app holds in its route lists (its own, its mounted
+  sub-apps' and host routes') gets its ASGI app wrapped, as Starlette's own per-route
+  middleware is, by :func:`give_door`, when :func:`~idempotency_mw.install` is called and when
+  the app's lifespan starts. It is passed after every layer inside the middleware, before
+  FastAPI's validation and dependencies: on a FastAPI route without ``@idempotent``, what they
+  refuse counts as the endpoint's answer (nothing FastAPI publishes tells that they passed).
+- none: a route added after start-up, every route of an app started without a lifespan and
+  without ``install()`` (an ``httpx.ASGITransport``, a ``TestClient`` used without ``with``),
+  a route FastAPI makes itself at dispatch (those of included routers, from FastAPI 0.137),
+  unless ``@idempotent`` gave it the endpoint's door. Whatever such a route answers counts
+  as its endpoint's: every answer below 500 is recorded, except a framework's answer to a
+  request that failed validation, known by its body (FastAPI's 422).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio.from_thread
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.fence import current_claim, current_entrance
@@ -29,38 +46,93 @@ from idempotency_mw.fence import current_claim, current_entrance
 #: The name of the parameter through which ``@idempotent(scope=Depends(...))`` hands the door
 #: the caller's scope (FastAPI resolves it with the endpoint's other dependencies).
 SCOPE_PARAMETER = "idempotency_caller_scope__"
+#: Set on an endpoint's door, so that a route knows it has one.
 _DOOR = "__idempotency_door__"
 
-
-#: How far the app shows a request's way: the route's door only, or the endpoint's too.
+#: How far the app shows a request's way: the route's door only, or the endpoint's.
 ROUTE = "route"
 ENDPOINT = "endpoint"
 
 
 def doors_of(route: object) -> str | None:
-    """Give ``route`` its doors, unless it has them or cannot have them: :data:`ENDPOINT` when
-    it has the endpoint's door too, :data:`ROUTE` when only the route's, ``None`` for none.
+    """Which door ``route`` has: :data:`ENDPOINT`, :data:`ROUTE`, or ``None`` for none."""
+    if getattr(getattr(route, "endpoint", None), _DOOR, False):
+        return ENDPOINT
+    return ROUTE if isinstance(getattr(route, "app", None), RouteDoor) else None
 
-    A FastAPI endpoint that is a generator gets no endpoint's door: its body runs after the
-    response began.
-    """
-    doors: str | None = getattr(route, _DOOR, None)
-    if doors is not None:
-        return doors
-    if not (hasattr(route, "endpoint") and callable(getattr(route, "app", None))):
-        return None
-    dependant: Any = getattr(route, "dependant", None)
-    call = None if dependant is None else dependant.call
-    if call is not None and not (
-        inspect.isasyncgenfunction(call) or inspect.isgeneratorfunction(call)
+
+def give_door(route: object) -> None:
+    """Give ``route`` the route's door, unless it has a door or is no route of an endpoint."""
+    if isinstance(route, Route) and doors_of(route) is None:
+        route.app = RouteDoor(route.app)
+
+
+class RouteDoor:
+    """A route's ASGI app behind the route's door."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        entrance = current_entrance.get()
+        if entrance is not None:
+            # The route began (its key was claimed before the app ran, and fence() handed it).
+            entrance.passed(endpoint=False)
+        await self.app(scope, receive, send)
+
+
+def endpoint_door(endpoint: Callable[..., Any], scope: object) -> Callable[..., Any]:
+    """``endpoint`` behind the endpoint's door (a generator or a class as it is); with
+    ``scope``, a ``Depends``, the door takes that dependency's value as the caller's scope."""
+    if scope is not None:
+        endpoint = _with_scope_dependency(endpoint, scope)
+    if (
+        inspect.isasyncgenfunction(endpoint)
+        or inspect.isgeneratorfunction(endpoint)
+        or inspect.isclass(endpoint)  # Starlette's HTTPEndpoint: an ASGI app of its own
     ):
-        dependant.call = _endpoint_door(call)
-        doors = ENDPOINT
+        return endpoint
+    if inspect.iscoroutinefunction(endpoint) or inspect.iscoroutinefunction(
+        getattr(endpoint, "__call__", None)  # noqa: B004  (a callable object's async __call__)
+    ):
+
+        @functools.wraps(endpoint)
+        async def async_door(*args: Any, **values: Any) -> Any:
+            entrance = current_entrance.get()
+            if entrance is None or entrance.passed(endpoint=True):
+                return await endpoint(*args, **values)
+            entry = await entrance.enter(values.get(SCOPE_PARAMETER), endpoint=True)
+            if entry is None:
+                return _Answered()
+            reset = current_claim.set(entry)
+            try:
+                return await endpoint(*args, **values)
+            finally:
+                current_claim.reset(reset)
+
+        door: Callable[..., Any] = async_door
     else:
-        route.app = _route_door(route.app)  # type: ignore[attr-defined]
-        doors = ROUTE
-    setattr(route, _DOOR, doors)
-    return doors
+
+        @functools.wraps(endpoint)
+        def sync_door(*args: Any, **values: Any) -> Any:
+            entrance = current_entrance.get()
+            if entrance is None or entrance.passed(endpoint=True):
+                return endpoint(*args, **values)
+            # A sync endpoint runs in a worker thread: the claim is made in the event loop.
+            entry = anyio.from_thread.run(
+                functools.partial(entrance.enter, values.get(SCOPE_PARAMETER), endpoint=True)
+            )
+            if entry is None:
+                return _Answered()
+            reset = current_claim.set(entry)
+            try:
+                return endpoint(*args, **values)
+            finally:
+                current_claim.reset(reset)
+
+        door = sync_door
+    setattr(door, _DOOR, True)
+    return door
 
 
 class _Answered(Response):
@@ -71,69 +143,11 @@ class _Answered(Response):
         super().__init__(status_code=204)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _send_placeholder(send)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
 
 
-async def _send_placeholder(send: Send) -> None:
-    await send({"type": "http.response.start", "status": 204, "headers": []})
-    await send({"type": "http.response.body", "body": b""})
-
-
-def _endpoint_door(call: Callable[..., Any]) -> Callable[..., Any]:
-    if inspect.iscoroutinefunction(call) or inspect.iscoroutinefunction(
-        getattr(call, "__call__", None)  # noqa: B004  (a callable object's async __call__)
-    ):
-
-        @functools.wraps(call)
-        async def async_door(*args: Any, **values: Any) -> Any:
-            entrance = current_entrance.get()
-            if entrance is None or entrance.passed(endpoint=True):
-                return await call(*args, **values)
-            entry = await entrance.enter(values.get(SCOPE_PARAMETER), endpoint=True)
-            if entry is None:
-                return _Answered()
-            reset = current_claim.set(entry)
-            try:
-                return await call(*args, **values)
-            finally:
-                current_claim.reset(reset)
-
-        return async_door
-
-    @functools.wraps(call)
-    def sync_door(*args: Any, **values: Any) -> Any:
-        entrance = current_entrance.get()
-        if entrance is None or entrance.passed(endpoint=True):
-            return call(*args, **values)
-        # A sync endpoint runs in a worker thread: the claim is made in the event loop.
-        entry = anyio.from_thread.run(
-            functools.partial(entrance.enter, values.get(SCOPE_PARAMETER), endpoint=True)
-        )
-        if entry is None:
-            return _Answered()
-        reset = current_claim.set(entry)
-        try:
-            return call(*args, **values)
-        finally:
-            current_claim.reset(reset)
-
-    return sync_door
-
-
-def _route_door(
-    app: Callable[[Scope, Receive, Send], Awaitable[None]],
-) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    async def door(scope: Scope, receive: Receive, send: Send) -> None:
-        entrance = current_entrance.get()
-        if entrance is not None:
-            # The route began (its key was claimed before the app ran, and fence() handed it).
-            entrance.passed(endpoint=False)
-        await app(scope, receive, send)
-
-    return door
-
-
-def with_scope_dependency(endpoint: Callable[..., Any], dependency: object) -> Callable[..., Any]:
+def _with_scope_dependency(endpoint: Callable[..., Any], dependency: object) -> Callable[..., Any]:
     """``endpoint`` with one more keyword parameter, resolved by FastAPI as ``dependency``
     (a ``Depends``), whose value the door takes as the caller's scope."""
     if inspect.isasyncgenfunction(endpoint) or inspect.isgeneratorfunction(endpoint):

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idempotency_mw._asgi import invalid_key_detail, parse_key, request_headers
 from idempotency_mw.cleanup import PurgeSchedule
-from idempotency_mw.door import doors_of
+from idempotency_mw.door import give_door
 from idempotency_mw.engine import ClaimEngine
 from idempotency_mw.exchange import Exchange
 from idempotency_mw.fence import UNKEYED, current_claim
@@ -28,7 +28,7 @@ from idempotency_mw.options import (
     LeaseLostAction,
     build_options,
 )
-from idempotency_mw.policy import RouteTable, app_routes
+from idempotency_mw.policy import RouteTable, app_routes, routes_within
 from idempotency_mw.problems import Problem, send_problem
 from idempotency_mw.retention import (
     FIRST_SENT_HEADER,
@@ -48,9 +48,10 @@ class IdempotencyMiddleware:
     The first request with a key runs and its response is recorded; a repeat with the same key
     and the same request gets the recorded response replayed; a repeat with a different request
     gets 409 (or 422); a repeat while the first still runs gets 409 with ``Retry-After``.
-    The key is claimed at the endpoint's door (after FastAPI's validation and the route's
-    dependencies; see :mod:`idempotency_mw.door`), and every answer below 500 of an endpoint
-    that began is recorded. The route settings given here by name
+    Every answer below 500 of an endpoint that began is recorded; a route's door tells where
+    it begins (see :mod:`idempotency_mw.door`: ``@idempotent`` gives an endpoint its own,
+    after FastAPI's validation and the route's dependencies; the lifespan's start-up and
+    :func:`install` give the others theirs). The route settings given here by name
     (:class:`~idempotency_mw.RouteOptions`: ``ttl``, ``lease``, ``required``, ``wait``,
     ``fingerprint``, ``release_statuses``, ``fenced``, ``max_request_bytes``) are every
     route's defaults; ``@idempotent`` and the ``routes`` mapping override them per route. An
@@ -189,7 +190,7 @@ class IdempotencyMiddleware:
             resolved.template,
             settings,
         )
-        await exchange.run(doors=None if resolved.route is None else doors_of(resolved.route))
+        await exchange.run(doors=resolved.doors)
 
     def _document(self, app: object) -> None:
         self._documented.add(id(app))
@@ -199,6 +200,8 @@ class IdempotencyMiddleware:
     async def _lifespan(self, scope: Scope) -> AsyncIterator[None]:
         app = scope.get("app", self.app)
         self._document(app)
+        _give_doors(app)
+        self.routes.forget()
         routes = app_routes(app)
         if routes is None:
             logger.info(
@@ -221,16 +224,25 @@ class IdempotencyMiddleware:
 
 
 def install(app: Any, *, store: Store, **options: Any) -> None:
-    """Add :class:`IdempotencyMiddleware` to a Starlette/FastAPI ``app`` and document it now.
+    """Add :class:`IdempotencyMiddleware` to a Starlette/FastAPI ``app``; document it now.
 
     The same as ``app.add_middleware(IdempotencyMiddleware, store=store, **options)``, except
-    that the OpenAPI schema shows the key header and the problem answers at once, before the
-    first request or the lifespan (a schema-export script, a ``TestClient`` used without
-    ``with``).
+    that two things the middleware does at start-up are done at once, before the first request
+    or the lifespan (a schema-export script, a ``TestClient`` used without ``with``): the
+    OpenAPI schema shows the key header and the problem answers, and the routes the app has
+    now get their doors (:mod:`idempotency_mw.door`).
     """
     # The options validated as the middleware will take them, defaults from its signature.
     given = inspect.signature(IdempotencyMiddleware).bind(app, store=store, **options)
     given.apply_defaults()
     built = build_options(**{name: v for name, v in given.arguments.items() if name != "app"})
     document_openapi(app, built, RouteTable(built.routes))
+    _give_doors(app)
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
+
+
+def _give_doors(app: object) -> None:
+    """Give each route of ``app`` that has no door the route's door (see
+    :mod:`idempotency_mw.door`): once, at start-up, never while requests run."""
+    for route in routes_within(app):
+        give_door(route)

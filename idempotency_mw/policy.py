@@ -1,23 +1,25 @@
 """Per-route settings: ``@idempotent``, the ``routes`` mapping, and resolving a request's route.
 
-A request's route is found the way the app will find it: included routers (flattened, as FastAPI
-dispatches them), mounted sub-applications and host routes (decided inside, with no fall-through),
-path converters and methods. A request the app would answer 404 or 405 resolves to nothing: it is
-not ours to guard or record.
+A request's route is found the way the app will find it, through each route's own
+``matches(scope)``: included routers (FastAPI's ``iter_route_contexts`` opens them), mounted
+sub-applications and host routes (decided inside, with no fall-through, through their
+``routes``), path converters and methods. A request the app would answer 404 or 405 resolves to
+nothing: it is not ours to guard or record.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar, Unpack, cast
 
-from starlette.routing import Match, Router
+from starlette.routing import BaseRoute, Match, Router, WebSocketRoute
 from starlette.types import Scope
 
-from idempotency_mw.door import with_scope_dependency
+from idempotency_mw.door import doors_of, endpoint_door
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.settings import Overrides, RouteOptions, combined, overrides
 
@@ -39,16 +41,18 @@ def idempotent(
     ``routes`` mapping.
     ``scope``: a FastAPI dependency (``Depends(current_user)``) whose value, a non-empty
     string, is the caller's scope of this route's keys; its own errors (a 401) are the app's
-    answers, given before any key is claimed. The endpoint is then wrapped, so that FastAPI
-    resolves the dependency with the endpoint's others.
+    answers, given before any key is claimed.
+
+    The endpoint is wrapped in its door (see :mod:`idempotency_mw.door`), before the route is
+    made of it: a request refused before the endpoint runs (FastAPI's validation, a
+    dependency's ``HTTPException``) releases its key instead of recording the answer.
     """
     policy = overrides(options, where=" of @idempotent")
     if scope is not None:
         policy = MappingProxyType({**policy, "scoped": True})
 
     def decorate(endpoint: Endpoint) -> Endpoint:
-        if scope is not None:
-            endpoint = cast(Endpoint, with_scope_dependency(endpoint, scope))
+        endpoint = cast(Endpoint, endpoint_door(endpoint, scope))
         setattr(endpoint, _POLICY_ATTRIBUTE, policy)
         return endpoint
 
@@ -66,13 +70,14 @@ class RouteInfo:
 
 @dataclass(frozen=True, slots=True)
 class Resolved:
-    """A request's route: its full template and the policy that applies to it."""
+    """A request's route: its full template, the policy that applies to it, its door."""
 
     template: str
     #: The settings the route's sources set (``None``: the middleware's defaults).
     policy: Overrides | None
-    #: The route object the app dispatches to (``None`` where the app's routes are opaque).
-    route: object = None
+    #: Which door the route has (see :func:`~idempotency_mw.door.doors_of`; ``None`` where the
+    #: app's routes cannot be read).
+    doors: str | None = None
 
 
 class RouteTable:
@@ -146,20 +151,23 @@ class RouteTable:
             return self._cache[cache_key]
         except KeyError:
             pass
-        found = _resolve_in(tree.nodes, scope)
-        resolved = (
-            None
-            if found is None
-            else Resolved(
-                found[0],
-                self.policy_for(scope["method"], found[0], getattr(found[1], "endpoint", None)),
-                found[1],
+        found = _match(tree.routes, scope)
+        resolved = None
+        if found is not None:
+            template, route = found
+            endpoint = None if route is None else route.endpoint
+            doors = None if route is None else route.doors
+            resolved = Resolved(
+                template, self.policy_for(scope["method"], template, endpoint), doors
             )
-        )
         if len(self._cache) >= _CACHE_SIZE:
             self._cache.clear()
         self._cache[cache_key] = resolved
         return resolved
+
+    def forget(self) -> None:
+        """Read the app's routes again at the next request (they just got their doors)."""
+        self._tree = None
 
     def _current_tree(self, app: object) -> _Tree | None:
         routes = _routes_of(app)
@@ -168,8 +176,8 @@ class RouteTable:
         # Rebuilt when the app's route list is replaced or grows (routes added after start-up).
         version = (id(routes), len(routes))
         if self._tree is None or self._tree.version != version:
-            nodes = _build(routes)
-            self._tree = _Tree(version, nodes, any(_has_hosts(node) for node in nodes))
+            tree = _read(routes)
+            self._tree = _Tree(version, tree, _has_hosts(tree))
             self._cache.clear()
         return self._tree
 
@@ -178,26 +186,37 @@ def app_routes(app: object) -> list[RouteInfo] | None:
     """Every HTTP endpoint of ``app`` with its full template (``None`` for an app whose routes
     cannot be read: not Starlette's)."""
     routes = _routes_of(app)
-    return None if routes is None else list(_leaves(_build(routes), ""))
+    return None if routes is None else list(_leaves(_read(routes), ""))
+
+
+def routes_within(app: object) -> Iterator[Any]:
+    """Every route object ``app`` holds in its route lists and in those of its mounted apps and
+    host routes (not the ones FastAPI makes itself, at dispatch, for included routers)."""
+    routes = _routes_of(app)
+    if routes is not None:
+        yield from _within(routes)
 
 
 @dataclass(frozen=True, slots=True)
-class _Node:
-    """A route as the app dispatches it: a leaf (an endpoint) or a branch (mount, host)."""
+class _Route:
+    """A route as its router tries it, read once (through FastAPI's route contexts every
+    attribute is a lookup of its own): an endpoint's, or a mount or a host with its own."""
 
-    route: Any
+    matches: Callable[[Scope], tuple[Match, Scope]]
+    #: An endpoint's route's template, a mount's path ("" for a host).
     template: str
+    #: A mount's or a host's routes (``[]``: they cannot be read); ``None``: an endpoint's route.
+    routes: list[_Route] | None = None
     endpoint: object = None
-    #: A mount's or host's routes, decided inside it; ``None`` for a leaf or an opaque app.
-    children: list[_Node] | None = None
-    is_branch: bool = False
-    is_host: bool = False
+    methods: frozenset[str] | None = None
+    doors: str | None = None
+    host: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class _Tree:
     version: tuple[int, int]
-    nodes: list[_Node]
+    routes: list[_Route]
     #: Whether a host route decides: only then does the Host header enter the cache key.
     has_hosts: bool
 
@@ -211,83 +230,86 @@ def _routes_of(app: object) -> Sequence[Any] | None:
     return router.routes
 
 
-def _build(routes: Sequence[Any]) -> list[_Node]:
-    nodes: list[_Node] = []
-    for route in _effective(routes):
-        children = getattr(route, "routes", None)
-        if hasattr(route, "endpoint") and children is None:
-            template = getattr(route, "path_format", None) or getattr(route, "path", "")
-            nodes.append(_Node(route, str(template), route.endpoint))
-        elif hasattr(route, "matches"):
-            # A Mount (its path is the prefix) or a Host (no path); an app mounted without
-            # routes this module can read is opaque: any path under it is guarded.
-            prefix = getattr(route, "path", "")
-            inner_routes = _routes_of(getattr(route, "app", None))
-            inner = _build(inner_routes) if inner_routes else None
-            nodes.append(
-                _Node(
-                    route,
-                    prefix,
-                    children=inner,
-                    is_branch=True,
-                    is_host=hasattr(route, "host"),
+def _readable(routes: Sequence[Any]) -> bool:
+    """Whether a mount's or host's ``routes`` are a router's, which this module can follow."""
+    return bool(routes) and all(isinstance(route, BaseRoute) for route in routes)
+
+
+def _read(routes: Sequence[Any]) -> list[_Route]:
+    read: list[_Route] = []
+    for route in _dispatched(routes):
+        inner = getattr(route, "routes", None)
+        template = getattr(route, "path_format", None)
+        if isinstance(getattr(route, "route", route), WebSocketRoute):
+            continue  # FastAPI's route contexts stand for the route they name (.route)
+        if inner is None and template is not None:
+            methods = getattr(route, "methods", None)
+            read.append(
+                _Route(
+                    route.matches,
+                    template,
+                    endpoint=getattr(route, "endpoint", None),
+                    methods=None if methods is None else frozenset(methods),
+                    doors=doors_of(route),
                 )
             )
-    return nodes
+        else:
+            # A mount or a host; one whose routes cannot be read, like a route that names no
+            # template, is guarded by its paths.
+            within = _read(inner) if inner is not None and _readable(inner) else []
+            path = getattr(route, "path", None) or ""
+            read.append(_Route(route.matches, path, within, host=hasattr(route, "host")))
+    return read
 
 
-def _effective(routes: Sequence[Any]) -> Iterator[Any]:
-    """``routes`` with FastAPI's included routers flattened into the routes they dispatch to.
+def _dispatched(routes: Sequence[Any]) -> Sequence[Any]:
+    """``routes`` in the order their router tries them. FastAPI (from 0.137.2) keeps an included
+    router as one entry, which its ``iter_route_contexts`` opens into the routes it dispatches
+    to, prefixed; other routers' lists (FastAPI's before 0.137) hold those routes already."""
+    # An app of FastAPI's has imported it; a Starlette app does not need to.
+    contexts = getattr(sys.modules.get("fastapi.routing"), "iter_route_contexts", None)
+    return routes if contexts is None else list(contexts(routes))
 
-    FastAPI up to 0.16x copied an included router's routes, prefixed, into the app's list; newer
-    versions keep an included-router object that dispatches through effective route contexts.
-    """
+
+def _within(routes: Sequence[Any]) -> Iterator[Any]:
     for route in routes:
-        contexts = getattr(route, "effective_route_contexts", None)
-        if contexts is None:
-            yield route
-            continue
-        for context in contexts():
-            starlette_route = getattr(context, "starlette_route", None)
-            yield starlette_route if starlette_route is not None else context
+        yield route
+        inner = getattr(route, "routes", None)
+        if inner is not None and _readable(inner):
+            yield from _within(inner)
 
 
-def _resolve_in(nodes: list[_Node], scope: Scope) -> tuple[str, object] | None:
-    """The full template and the route object (``None`` inside an opaque mount)."""
-    """Like Starlette's router: the first full match wins; a path match alone means 405."""
-    for node in nodes:
-        match, child_scope = node.route.matches(scope)
+def _match(routes: list[_Route], scope: Scope) -> tuple[str, _Route | None] | None:
+    """The full template of the route the app dispatches ``scope`` to, and that route (``None``
+    where the app's routes cannot be read: any path there is guarded); ``None`` when the app
+    answers 404 or 405. As its router: the first route that matches fully wins; a mount or a
+    host that matches decides, whatever happens inside it."""
+    for route in routes:
+        match, child_scope = route.matches(scope)
         if match is Match.NONE:
             continue
-        if node.is_branch:
-            # A mount or host that matches handles the request whatever happens inside it.
-            if node.children is None:
-                return scope["path"], None
-            inner = _resolve_in(node.children, {**scope, **child_scope})
-            return None if inner is None else (node.template + inner[0], inner[1])
+        if route.routes == []:
+            return scope["path"], None  # guarded by its paths
+        if route.routes is not None:
+            found = _match(route.routes, {**scope, **child_scope})
+            return None if found is None else (route.template + found[0], found[1])
         if match is Match.FULL:
-            return node.template, node.route
+            return route.template, route
         # PARTIAL: the path is a route's but not the method; unless a later route takes the
         # method, the app answers 405, which is not ours to guard.
     return None
 
 
-def _leaves(nodes: list[_Node], prefix: str) -> Iterator[RouteInfo]:
-    for node in nodes:
-        if node.is_branch:
-            if node.children is not None:
-                yield from _leaves(node.children, prefix + node.template)
-            continue
-        if not hasattr(node.route, "methods"):
-            continue  # a websocket route
-        methods = node.route.methods
-        yield RouteInfo(
-            prefix + node.template, None if methods is None else frozenset(methods), node.endpoint
-        )
+def _leaves(routes: list[_Route], prefix: str) -> Iterator[RouteInfo]:
+    for route in routes:
+        if route.routes is not None:
+            yield from _leaves(route.routes, prefix + route.template)
+        else:
+            yield RouteInfo(prefix + route.template, route.methods, route.endpoint)
 
 
-def _has_hosts(node: _Node) -> bool:
-    return node.is_host or any(_has_hosts(child) for child in node.children or ())
+def _has_hosts(routes: list[_Route]) -> bool:
+    return any(route.host or _has_hosts(route.routes or []) for route in routes)
 
 
 def _host(scope: Scope) -> str:

@@ -85,6 +85,7 @@ def fastapi_refusals() -> Any:
         return {"amount": order.amount}
 
     @router.post("/authed", status_code=201)
+    @idempotent()  # its endpoint's door: the dependency's refusal comes before it
     async def authed(request: Request, user: str = Depends(authenticated)) -> dict[str, str]:
         await effects.alog("authed", request.headers[KEY], "done")
         return {"user": user}
