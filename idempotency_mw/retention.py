@@ -13,6 +13,8 @@ that send their key as ``Repeatability-Request-ID`` (OASIS) are also told
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -31,7 +33,13 @@ FIRST_SENT_SKEW = 30.0
 
 def http_date(seconds: float) -> str:
     """``seconds`` (Unix time) as an HTTP-date, rounded down to the second."""
-    return formatdate(seconds, usegmt=True)
+    return _http_date(math.floor(seconds))
+
+
+@functools.lru_cache(maxsize=64)
+def _http_date(second: int) -> str:
+    # Every keyed answer says a date, and the answers of one second and route say the same.
+    return formatdate(second, usegmt=True)
 
 
 def parse_http_date(value: str) -> float | None:
