@@ -17,7 +17,7 @@ import anyio
 
 from idempotency_mw.exceptions import StoreError
 from idempotency_mw.fence import CurrentClaim
-from idempotency_mw.lease import Clock, LeaseKeeper
+from idempotency_mw.lease import Clock, LeaseKeeper, first_renewal_in
 from idempotency_mw.metrics import Event, EventHook, EventKind, key_hash
 from idempotency_mw.options import LeaseLostAction
 from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
@@ -137,8 +137,8 @@ class Hold:
     """One call's work, and the claim it holds once taken (see :meth:`ClaimEngine.hold`).
 
     The block's body is the work. Its lease keeper starts a third of the lease after the claim
-    (most work ends sooner, and a loop timer costs far less than a task), in a task that the
-    block cancels and waits for when the work ends.
+    (most work ends sooner, and a loop timer costs far less than a task and a keeper), in a
+    task that the block cancels and waits for when the work ends.
     """
 
     def __init__(
@@ -152,7 +152,7 @@ class Hold:
         self._on_stopped = on_stopped
         #: The work's scope, cancelled when the lease is lost.
         self._work = anyio.CancelScope()
-        #: The lease keeper once the claim is kept, the timer that starts it, and its task.
+        #: The lease keeper once it is needed, the timer that starts it, and its task.
         self._keeper: LeaseKeeper | None = None
         self._starting: asyncio.TimerHandle | None = None
         self._keeping: asyncio.Task[None] | None = None
@@ -183,8 +183,8 @@ class Hold:
                 # keeper (which never raises but its cancellation).
                 await asyncio.wait({self._keeping})
             # The keeper, its timer and its task refer back to the block: let go of them.
-            keeper, self._keeper, self._starting, self._keeping = self._keeper, None, None, None
-            if keeper is not None:
+            self._keeper, self._starting, self._keeping = None, None, None
+            if self.claim_held is not None:
                 assert self.call is not None
                 self.call.emit(EventKind.CLAIM_ENDED)
         if stopped and self._on_stopped is not None:
@@ -207,41 +207,48 @@ class Hold:
         for long enough to start the work (nothing may run).
         """
         self.call = call
-        assert claim.token is not None
-        keeper = LeaseKeeper(
-            lambda: call.renew(claim.token or ""),
-            call.request.lease,
-            claimed_at=call.claimed_at,
-            on_lost=self._lost,
-            key_id=lambda: call.key_id,  # hashed only if a log line needs it
-            clock=self.engine.clock,
-        )
-        # The claim took a third of the lease: proven again before the work starts.
-        if keeper.first_renewal_in() == 0 and not await keeper.renew_to_start():
-            raise LeaseUnproven
+        token = claim.token
+        assert token is not None
         request = call.request
+        due_in = first_renewal_in(call.claimed_at, request.lease, self.engine.clock())
+        if due_in == 0:
+            # The claim took a third of the lease: proven again before the work starts.
+            keeper = self._keeper = self._keeper_of(call, token)
+            if not await keeper.renew_to_start():
+                raise LeaseUnproven
+            due_in = keeper.first_renewal_in()
         self.claim_held = CurrentClaim(
             self.engine.store,
             request.scope,
             request.key,
-            claim.token,
+            token,
             request.ttl,
             fingerprint=request.fingerprint,
             binding=request.binding,
             lease=request.lease,
         )
         call.emit(EventKind.CLAIM_STARTED)
-        self._keeper = keeper
-        self._starting = asyncio.get_running_loop().call_later(
-            keeper.first_renewal_in(), self._start_keeping
-        )
+        self._starting = asyncio.get_running_loop().call_later(due_in, self._start_keeping)
         return self.claim_held
+
+    def _keeper_of(self, call: Call, token: str) -> LeaseKeeper:
+        return LeaseKeeper(
+            lambda: call.renew(token),
+            call.request.lease,
+            claimed_at=call.claimed_at,
+            on_lost=self._lost,
+            key_id=lambda: call.key_id,  # hashed only if a log line needs it
+            clock=self.engine.clock,
+        )
 
     def _start_keeping(self) -> None:
         # A loop timer's callback runs outside any task, where anyio cannot tell which library
         # runs the loop: the keeper's task is asyncio's own.
-        assert self._keeper is not None
+        assert self.call is not None
+        assert self.claim_held is not None
         self._starting = None
+        if self._keeper is None:
+            self._keeper = self._keeper_of(self.call, self.claim_held.token)
         self._keeping = asyncio.get_running_loop().create_task(self._keep(self._keeper))
 
     async def _keep(self, keeper: LeaseKeeper) -> None:

@@ -19,6 +19,12 @@ Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 
 
+def first_renewal_in(proven_at: float, lease: float, now: float) -> float:
+    """Seconds from ``now`` until the first renewal of a lease proven at ``proven_at`` (when
+    its claim or renewal was sent) is due: a third of the lease after it; 0 when due already."""
+    return max(0.0, proven_at + lease / 3 - now)
+
+
 class LeaseKeeper:
     """Keeps one claim's lease, proven until the moment the last successful claim or renewal
     was *sent* plus the lease, on the monotonic ``clock``.
@@ -55,7 +61,7 @@ class LeaseKeeper:
         """Seconds until the first renewal is due: a third of the lease after the claim; 0
         when it is due already (work may start only once :meth:`renew_to_start` proved the
         lease again)."""
-        return max(0.0, self.proven_until - self._lease * 2 / 3 - self._clock())
+        return first_renewal_in(self.proven_until - self._lease, self._lease, self._clock())
 
     async def renew_to_start(self) -> bool:
         """One renewal before the work starts: whether it proved the lease (work never starts
