@@ -66,15 +66,25 @@ class Event:
 EventHook = Callable[[Event], None]
 
 
-def key_hash(scope: str, key: str) -> str:
-    """The short hash of a caller scope and key that events and log lines carry.
+def key_digest(scope: str, key: str) -> str:
+    """A sha256 (64 hex digits) of a caller scope and key, whose start is :func:`key_hash`.
 
     The scope is length-prefixed: a separator could also be inside a scope or a key, and two
     pairs would share a hash (and wake each other's waiting duplicates).
     """
     scope_bytes = scope.encode("utf-8", "surrogatepass")
     pair = b"%d:%s%s" % (len(scope_bytes), scope_bytes, key.encode("utf-8", "surrogatepass"))
-    return hashlib.sha256(pair).hexdigest()[:12]
+    return hashlib.sha256(pair).hexdigest()
+
+
+def key_hash(scope: str, key: str) -> str:
+    """The short hash of a caller scope and key that events and log lines carry."""
+    return key_hash_of(key_digest(scope, key))
+
+
+def key_hash_of(digest: str) -> str:
+    """The :func:`key_hash` of the pair whose :func:`key_digest` is ``digest``."""
+    return digest[:12]
 
 
 def guard(hook: EventHook) -> EventHook:

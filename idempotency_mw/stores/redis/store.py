@@ -4,7 +4,6 @@ through a redis-py client."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
@@ -23,7 +22,7 @@ from redis.typing import EncodableT
 from idempotency_mw._redis_client import AsyncClient, binary_client
 from idempotency_mw._urls import shown_url
 from idempotency_mw.exceptions import ConfigurationError, store_error
-from idempotency_mw.metrics import key_hash
+from idempotency_mw.metrics import key_digest, key_hash_of
 from idempotency_mw.records import (
     Claim,
     ClaimOutcome,
@@ -161,12 +160,11 @@ class RedisStore(RedisInspection, ClaimsWithToken):
 
     def redis_key(self, scope: str, key: str) -> str:
         """The Redis key of the record of ``(scope, key)``: a digest, never the raw key."""
-        digest = hashlib.sha256()
-        for part in (scope, key):
-            encoded = part.encode("utf-8", "surrogatepass")
-            digest.update(len(encoded).to_bytes(8, "big"))
-            digest.update(encoded)
-        return f"{self._prefix}{{{digest.hexdigest()}}}"
+        return self._record_key(key_digest(scope, key))
+
+    def _record_key(self, digest: str) -> str:
+        # In braces: a hash tag, so that a record's one key names its cluster slot.
+        return f"{self._prefix}{{{digest}}}"
 
     async def _claim(
         self,
@@ -233,7 +231,9 @@ class RedisStore(RedisInspection, ClaimsWithToken):
         ttl: float,
         durable: bool = True,
     ) -> bool:
-        args: list[EncodableT] = [token, _ms(ttl), self._channel, key_hash(scope, key)]
+        # One digest names the record and, shortened, the settlement it publishes.
+        digest = key_digest(scope, key)
+        args: list[EncodableT] = [token, _ms(ttl), self._channel, key_hash_of(digest)]
         if response is None:
             args.append(RecordStatus.UNREPLAYABLE.value)
         else:
@@ -244,18 +244,19 @@ class RedisStore(RedisInspection, ClaimsWithToken):
                 response.body,
             ]
         return bool(
-            await self._run("complete", self._complete_script, self.redis_key(scope, key), *args)
+            await self._run("complete", self._complete_script, self._record_key(digest), *args)
         )
 
     async def release(self, scope: str, key: str, token: str) -> bool:
+        digest = key_digest(scope, key)
         return bool(
             await self._run(
                 "release",
                 self._release_script,
-                self.redis_key(scope, key),
+                self._record_key(digest),
                 token,
                 self._channel,
-                key_hash(scope, key),
+                key_hash_of(digest),
             )
         )
 
