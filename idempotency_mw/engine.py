@@ -150,8 +150,8 @@ class Hold:
         self.engine = engine
         self._answered = answered
         self._on_stopped = on_stopped
-        #: The work's scope, cancelled when the lease is lost.
-        self._work = anyio.CancelScope()
+        #: The work's deadline: none, until the lease is lost (then now, which stops it).
+        self._work = asyncio.timeout(None)
         #: The lease keeper once it is needed, the timer that starts it, and its task.
         self._keeper: LeaseKeeper | None = None
         self._starting: asyncio.TimerHandle | None = None
@@ -163,7 +163,7 @@ class Hold:
         self.stopped = False
 
     async def __aenter__(self) -> Hold:
-        self._work.__enter__()
+        await self._work.__aenter__()
         return self
 
     async def __aexit__(
@@ -172,8 +172,13 @@ class Hold:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> bool:
+        stopped = False
         try:
-            stopped = self._work.__exit__(kind, error, traceback)
+            await self._work.__aexit__(kind, error, traceback)
+        except TimeoutError:
+            if not (self.stopped and self._work.expired()):
+                raise  # the work's own
+            stopped = True
         finally:
             if self._starting is not None:
                 self._starting.cancel()
@@ -189,7 +194,7 @@ class Hold:
                 self.call.emit(EventKind.CLAIM_ENDED)
         if stopped and self._on_stopped is not None:
             await self._on_stopped()
-        return bool(stopped)
+        return stopped
 
     async def claim(self, call: Call) -> Claim:
         """Claim ``call``'s key; once acquired, its lease is kept until the block ends (raises
@@ -277,7 +282,7 @@ class Hold:
                 "and its key left to lapse",
                 call.key_id,
             )
-            self._work.cancel()
+            self._work.reschedule(asyncio.get_running_loop().time())
         else:
             logger.error(
                 "key %s: the store did not confirm the lease in time; the call goes on "
