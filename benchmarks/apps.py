@@ -225,25 +225,11 @@ SQLITE_FILES = {False: "ours.db", True: "ours-normal.db"}
 
 
 def sqlite_store(sqlite_dir: Path, *, normal: bool) -> Any:
-    """Our SQLite store with its default settings, or with ``synchronous=NORMAL``.
-
-    Earlier versions: with ``sqlite_wal`` (and no ``sqlite_synchronous``) the store left the
-    file's journal mode alone unless ``sqlite_wal=True`` switched it to WAL with NORMAL; before
-    ``sqlite_wal`` it always did the latter, so only the NORMAL variant exists there.
-    """
-    import inspect
-
+    """Our SQLite store with its default settings, or with ``synchronous=NORMAL``."""
     from idempotency_mw import SQLStore
 
     url = sqlite_url(sqlite_dir, SQLITE_FILES[normal])
-    parameters = inspect.signature(SQLStore).parameters
-    if "sqlite_synchronous" in parameters:
-        return SQLStore(url, sqlite_synchronous="NORMAL") if normal else SQLStore(url)
-    if "sqlite_wal" in parameters:
-        return SQLStore(url, sqlite_wal=normal)
-    if normal:
-        return SQLStore(url)
-    raise NotImplementedError("this version always switches SQLite files to WAL, NORMAL")
+    return SQLStore(url, sqlite_synchronous="NORMAL") if normal else SQLStore(url)
 
 
 def create_app() -> FastAPI:

@@ -29,13 +29,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-try:
-    from idempotency_mw.stores.sql import async_url
-    from idempotency_mw.stores.sql.schema import metadata
-except ImportError:  # the layout before 0.2 (stores/sql.py): benchmarks/compare.py runs it too
-    from idempotency_mw.stores.schema import metadata  # type: ignore[no-redef, import-not-found]
-
-    from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import metadata
 
 Message = dict[str, Any]
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Message]], Any], Awaitable[None]]

@@ -1,7 +1,7 @@
 """Versions of the library side by side in one sitting: the same harness run against each tree.
 
     python -m benchmarks.compare --tree base=/path/to/old/checkout --tree after=. \\
-        [--rounds 2] [-n 2000] [--output benchmarks/COMPARE.md]
+        [--rounds 2] [-n 2000] [--output FILE]
     python -m benchmarks.compare --under-load --tree base=... --tree after=. \\
         [--workers 4] [--connections 64] [--seconds 10] [--variants ours-redis,fik-redis]
 
@@ -290,7 +290,8 @@ def _report(
             *sections,
         ]
     )
-    Path(args.output).write_text(text)
+    if args.output:
+        Path(args.output).write_text(text)
     print(text)
 
 
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("-n", "--requests", type=int, default=2000)
     parser.add_argument("--variants", default=",".join((*OURS, *PEERS)))
-    parser.add_argument("--output", default=str(BENCH_DIR / "COMPARE.md"))
+    parser.add_argument("--output", help="also write the report to this file")
     parser.add_argument("--under-load", action="store_true", help="uvicorn and wrk, see above")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--connections", type=int, default=64)

@@ -19,8 +19,9 @@
    ``fence()``, on SQLite and PostgreSQL; the statements and commits it sends to its database.
 4. ``on_event=None`` against a hook that does nothing (MemoryStore, so the hook's share shows).
 
-Variants alternate in rounds of ``--chunk`` requests so that drift hits them alike. What a
-version of the library lacks (fence, on_event, MemoryStore) shows "-".
+Variants alternate in rounds of ``--chunk`` requests so that drift hits them alike. A tree
+laid out before the store rebuild (``benchmarks.compare --tree``) has no store statements to
+time apart: those floors show "-".
 
     python -m benchmarks.overhead [-n 2000] [--chunk 200]
 """
@@ -351,7 +352,7 @@ async def middleware_cpu(n: int, chunk: int, directory: Path) -> tuple[list[CpuR
                 if reason:
                     raise RuntimeError(reason)
                 apps[variant] = await stack.enter_async_context(_started(variant, directory))
-            except (ImportError, NotImplementedError, RuntimeError) as exc:
+            except (ImportError, RuntimeError) as exc:
                 skipped.append(f"{variant}: {type(exc).__name__}: {exc}")
         for mode in ("first", "replay"):
             loops = {variant: _Loop(app, mode) for variant, (app, _) in apps.items()}
@@ -443,10 +444,8 @@ async def fenced_first(n: int, chunk: int, directory: Path) -> tuple[list[FenceR
     from sqlalchemy import event, text
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    try:
-        import idempotency_mw.fence  # noqa: F401
-    except ImportError:
-        return [], ["fence: not in this version"]
+    from idempotency_mw.stores.sql import async_url
+
     rows: list[FenceRow] = []
     skipped: list[str] = []
     for variant, url in (
@@ -458,8 +457,6 @@ async def fenced_first(n: int, chunk: int, directory: Path) -> tuple[list[FenceR
             continue
         await prepare(variant, directory)
         await prepare_sql(url, wipe=False)
-        from idempotency_mw.stores.sql import async_url
-
         engine = create_async_engine(async_url(url))
         async with engine.begin() as connection:
             await connection.execute(text("DROP TABLE IF EXISTS bench_tickets"))
@@ -515,12 +512,6 @@ async def fenced_first(n: int, chunk: int, directory: Path) -> tuple[list[FenceR
 
 async def event_hook(n: int, chunk: int, directory: Path) -> dict[str, dict[str, Summary]]:
     """Wall µs per request on MemoryStore with ``on_event=None`` and with a no-op hook."""
-    import inspect
-
-    from idempotency_mw import IdempotencyMiddleware
-
-    if "on_event" not in inspect.signature(IdempotencyMiddleware).parameters:
-        return {}
 
     def ignore(event: object) -> None:
         return None
@@ -627,9 +618,7 @@ def report(
                 ]
                 for name, modes in hook.items()
             ],
-        )
-        if hook
-        else "- (no on_event in this version)",
+        ),
     ]
     if notes:
         parts += ["", "Not measured: " + "; ".join(notes) + "."]

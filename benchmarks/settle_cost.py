@@ -3,8 +3,8 @@
 For PostgreSQL and Redis it times ``complete()`` of records claimed beforehand: one at a time
 (median and p99 latency) and from ``--tasks`` concurrent tasks (completes per second), while
 ``--listeners`` other processes watch the store's settlement feed, as the workers of a service
-do. On PostgreSQL it also runs the statements that announce nothing (what ``complete()`` sent
-before the feeds existed), rounds alternating, so the two columns differ by the NOTIFY alone.
+do. On PostgreSQL the feed is ``settlement_notices=True``; a store without it (the default)
+runs beside it, rounds alternating, so the two rows differ by the NOTIFY alone.
 Uses the ``idempotency_bench`` database and Redis db 15 (see ``benchmarks/common.py``).
 
     python -m benchmarks.settle_cost [--records 2000] [--tasks 32] [--listeners 2] [--rounds 3]
@@ -32,13 +32,14 @@ from benchmarks.common import (
     wipe_redis,
 )
 from idempotency_mw import RedisStore, SQLStore, Store, StoredResponse
-from idempotency_mw.stores.sql.statements import SILENT
 
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id": 1}')
 
 
-def make_store(url: str, prefix: str) -> Store:
-    return RedisStore(url, prefix=prefix) if url.startswith("redis") else SQLStore(url)
+def make_store(url: str, prefix: str, *, announced: bool = True) -> Store:
+    if url.startswith("redis"):
+        return RedisStore(url, prefix=prefix)
+    return SQLStore(url, settlement_notices=announced)
 
 
 async def claimed(store: Store, count: int) -> list[tuple[str, str, str]]:
@@ -108,9 +109,7 @@ async def measure(url: str, args: argparse.Namespace) -> list[list[str]]:
     prefix = f"bench-settle-{uuid.uuid4().hex[:8]}:"
     variants = {"announced": make_store(url, prefix)}
     if not url.startswith("redis"):
-        silent = make_store(url, prefix)
-        silent._settling = SILENT  # type: ignore[attr-defined]  # complete() before the feeds
-        variants = {"silent": silent, **variants}
+        variants = {"silent": make_store(url, prefix, announced=False), **variants}
     rows = []
     with listeners(url, prefix, args.listeners):
         for store in variants.values():
