@@ -233,7 +233,6 @@ async def test_a_retry_as_a_stalled_store_returns_waits_for_the_committed_answer
     app.state.linger = 0.8
     # Another worker of the service whose route waits for a key's outcome.
     waiting = ticket_service(store, engine, lease=0.6, wait=5)
-    store.pause("renew", "complete")
     answers: dict[str, httpx.Response] = {}
     async with client_for(app) as client, client_for(waiting) as waiting_client:
         async with anyio.create_task_group() as group:
@@ -242,6 +241,11 @@ async def test_a_retry_as_a_stalled_store_returns_waits_for_the_committed_answer
                 answers[name] = await post(to, "p", "linger")
 
             group.start_soon(send, "first", client)
+            # The store stalls once the claim answered (a claim slow enough to need a renewal
+            # before the work starts gets it), however late a busy machine sent it.
+            with anyio.fail_after(10):
+                await store.claimed.wait()
+            store.pause("renew", "complete")
             await anyio.sleep(1.0)  # answered, its lease lapsed, its completion held
             await send("retry", client)
             group.start_soon(send, "waiting", waiting_client)

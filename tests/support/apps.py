@@ -149,6 +149,8 @@ class PausableStore:
         self.failing: frozenset[str] = frozenset()
         self._paused: frozenset[str] = frozenset()
         self._resumed = anyio.Event()
+        #: Set once a claim has answered (its lease runs from before then).
+        self.claimed = anyio.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -173,7 +175,9 @@ class PausableStore:
 
     async def claim(self, *args: Any, **kwargs: Any) -> Any:
         await self._gate("claim")
-        return await self.inner.claim(*args, **kwargs)
+        claim = await self.inner.claim(*args, **kwargs)
+        self.claimed.set()
+        return claim
 
     async def renew(self, *args: Any, **kwargs: Any) -> Any:
         await self._gate("renew")
@@ -214,10 +218,16 @@ async def taken_over(
         async def first() -> None:
             answers["first"] = await send(client)
 
-        store.pause("renew")
         group.start_soon(first)
+        # Its renewals stall from its claim on (a claim slow enough to need a renewal before
+        # the work starts gets it), and its lease runs from then, however late a busy machine
+        # sent it.
+        with anyio.fail_after(10):
+            await store.claimed.wait()
+        store.pause("renew")
         await anyio.sleep(0.6)
         app.state.delay = 0.0
         answers["retry"] = await send(client)
-    store.resume()
+        # Before the first request's end is awaited: whatever it still asks the store answers.
+        store.resume()
     return answers["first"], answers["retry"]
