@@ -3,7 +3,7 @@
 The store is a PostgreSQL or Redis server of the test's own (``tests/support/faults.py``), stopped
 before uvicorn starts ``tests/support/reliability_app.py`` with 2 worker processes. An unreachable
 store only makes keyed requests wait (503); a store that answers without the idempotency
-table fails start-up, with the hint to migrate.
+table (an empty database of the shared server) fails start-up, with the hint to migrate.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.reliability.test_reliability import (
     replayed,
     retry_until_settled,
 )
-from tests.support.faults import PostgreSQLServer, ServerProcess, StoreServer
+from tests.support.faults import ServerProcess, StoreServer
 from tests.support.reliability_app import Effects, service_env
 
 pytestmark = [pytest.mark.anyio, pytest.mark.servers]
@@ -99,12 +99,12 @@ async def test_a_service_starts_and_replaces_workers_while_its_store_is_down(
             assert ran_on == service.worker_pids()
 
 
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 async def test_a_store_without_its_table_fails_startup_with_the_migrate_hint(
-    own_postgresql: PostgreSQLServer, tmp_path: Path
+    fresh_database: str, tmp_path: Path
 ) -> None:
     effects = Effects(tmp_path / "effects.db")
-    url = own_postgresql.create_database("no_table")
-    env = service_env(url, effects, lease=2, delay=0)
+    env = service_env(fresh_database, effects, lease=2, delay=0)
     with (
         ServerProcess(FACTORY, env) as service,
         pytest.raises(RuntimeError, match=r"the server exited \(3\)") as failure,
