@@ -3,7 +3,10 @@ the application's, and a dropped connection costs no request."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
@@ -196,3 +199,20 @@ async def test_a_connection_the_server_dropped_costs_no_request(
         ended = await on_the_server(postgresql, "count(pg_terminate_backend(pid))", name)
         assert ended >= 1
         await first_and_replay(store)
+
+
+async def test_closing_waits_for_a_call_between_two_of_its_statements(database_url: str) -> None:
+    # A release that finds no claim of its token runs two statements; the close, asked for
+    # while the first runs, resumes as the second has taken its connection. Disposing of the
+    # engine then would leave that connection out of every pool, to the collector (which
+    # warns in whichever later test it runs).
+    store = await fresh_sql_store(database_url)
+    await first_and_replay(store)
+    release = asyncio.create_task(store.release("", "absent", "not-a-token"))
+    await asyncio.sleep(0)
+    await store.aclose()
+    assert await release is False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []

@@ -249,11 +249,13 @@ class Database:
             await self.engine.dispose(close=False)
 
     async def aclose(self) -> None:
-        """Close an owned engine's connections once the statements under way have returned
-        theirs (a connection out of the pool when it is disposed would be left unclosed); it
-        opens new ones if it is used again."""
+        """Close an owned engine's connections once no statement is under way (a connection
+        out of the pool when it is disposed would be left to the collector unclosed); it opens
+        new ones if it is used again."""
         if self._owned:
-            if self._running:
+            # A call of several statements may have started its next one by the time this
+            # wakes up.
+            while self._running:
                 await self._settled.wait()
             await self.engine.dispose()
 
