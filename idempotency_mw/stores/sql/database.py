@@ -117,7 +117,7 @@ def engine_for(
         options["connect_args"] = {"init_command": READ_COMMITTED}
     try:
         if parsed.get_driver_name() == "asyncpg":
-            parsed, options["connect_args"] = _asyncpg_settings(parsed)
+            parsed, options["connect_args"] = asyncpg_settings(parsed)
         engine = create_async_engine(parsed, **options)
     except ModuleNotFoundError as exc:
         name = parsed.get_driver_name()
@@ -135,7 +135,7 @@ def engine_for(
     return engine
 
 
-def _asyncpg_settings(url: URL) -> tuple[URL, dict[str, Any]]:
+def asyncpg_settings(url: URL) -> tuple[URL, dict[str, Any]]:
     """``url`` without the options that asyncpg's ``connect`` does not take, and those options
     as its ``server_settings``: libpq, and asyncpg's own DSNs, read ``application_name``,
     ``search_path`` and any other server setting from a URL so. libpq's ``sslmode`` is asyncpg's

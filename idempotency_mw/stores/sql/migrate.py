@@ -15,7 +15,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw.alembic import PROOF_VERSION_TABLE
-from idempotency_mw.stores.sql.database import _asyncpg_settings, async_url
+from idempotency_mw.stores.sql.database import asyncpg_settings, async_url
 from idempotency_mw.stores.sql.store import SQLStore
 
 #: The advisory lock migrations hold (PostgreSQL's is a number, MariaDB's a name).
@@ -31,7 +31,7 @@ def plain_engine(url: str | URL) -> AsyncEngine:
     parsed = async_url(url)
     if parsed.get_driver_name() != "asyncpg":
         return create_async_engine(parsed)
-    parsed, connect_args = _asyncpg_settings(parsed)
+    parsed, connect_args = asyncpg_settings(parsed)
     return create_async_engine(parsed, connect_args=connect_args)
 
 
