@@ -15,7 +15,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw.alembic import PROOF_VERSION_TABLE
-from idempotency_mw.stores.sql.database import asyncpg_settings, async_url
+from idempotency_mw.stores.sql.database import async_url, asyncpg_settings
 from idempotency_mw.stores.sql.store import SQLStore
 
 #: The advisory lock migrations hold (PostgreSQL's is a number, MariaDB's a name).
