@@ -131,8 +131,19 @@ def endpoint_door(endpoint: Callable[..., Any], scope: object) -> Callable[..., 
                 current_claim.reset(reset)
 
         door = sync_door
+    door.__signature__ = _signature_of(endpoint)  # type: ignore[attr-defined]
     setattr(door, _DOOR, True)
     return door
+
+
+def _signature_of(endpoint: Callable[..., Any]) -> inspect.Signature:
+    """``endpoint``'s signature, its string annotations (``from __future__ import annotations``)
+    evaluated in the endpoint's own module where they can be: older FastAPI releases (0.115)
+    evaluate them in the globals of the function they are given, for a door this module's."""
+    try:
+        return inspect.signature(endpoint, eval_str=True)
+    except NameError:  # a name defined later in its module: left to FastAPI, as written
+        return inspect.signature(endpoint)
 
 
 class _Answered(Response):
@@ -155,7 +166,7 @@ def _with_scope_dependency(endpoint: Callable[..., Any], dependency: object) -> 
             "@idempotent(scope=Depends(...)) needs an endpoint that returns its response; a "
             "generator's body runs after the response began"
         )
-    signature = inspect.signature(endpoint)
+    signature = _signature_of(endpoint)
     if SCOPE_PARAMETER in signature.parameters:
         return endpoint
     parameters = list(signature.parameters.values())
