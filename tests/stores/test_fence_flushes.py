@@ -8,6 +8,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
+import anyio.lowlevel
+import asyncpg
 import pytest
 from fastapi import FastAPI
 from sqlalchemy import Column, MetaData, String, Table, delete, event, func, select
@@ -97,21 +99,44 @@ def order_service(store: Any, engine: AsyncEngine, *, forget_claim: bool = False
 
 
 class Writes:
-    """The store's writes as its engine sends them, each ``fast`` (it ran in a transaction that
-    set ``synchronous_commit = off`` first) or ``durable``. Requests are sent one at a time."""
+    """The store's writes, each ``fast`` (it ran in a transaction that set
+    ``synchronous_commit = off`` first) or ``durable``: those through SQLAlchemy as its engine
+    sends them, those on the driver's own connection (each on its own, in autocommit) as the
+    driver traces them. Requests are sent one at a time, from a store without connections."""
 
     def __init__(self, store: SQLStore) -> None:
-        self.kinds: list[str] = []
+        self._kinds: list[str] = []
         self._previous = ""
-        event.listen(store.engine.sync_engine, "before_cursor_execute", self._saw)
+        engine = store.engine.sync_engine
+        event.listen(engine, "before_cursor_execute", self._saw)
+        event.listen(engine, "connect", self._trace)
 
     def _saw(self, conn: Any, cursor: Any, statement: str, *_: Any) -> None:
-        if any(write in statement for write in ("INSERT INTO", "UPDATE ", "DELETE FROM")):
-            self.kinds.append("fast" if self._previous == UNFLUSHED else "durable")
+        if _writes(statement):
+            self._kinds.append("fast" if self._previous == UNFLUSHED else "durable")
         self._previous = statement
 
-    def __call__(self) -> set[str]:
-        return set(self.kinds)
+    def _trace(self, dbapi_connection: Any, _: Any) -> None:
+        def traced(statement: str) -> None:
+            if _writes(statement):
+                self._kinds.append("durable")
+
+        connection = dbapi_connection.driver_connection
+        if isinstance(connection, asyncpg.Connection):
+            # Its log leaves out the statements SQLAlchemy prepares itself (seen above).
+            connection.add_query_logger(lambda query: traced(query.query))
+        else:  # aiosqlite: sqlite3 traces every statement, SQLAlchemy's too (none here)
+            dbapi_connection.run_async(lambda driver: driver.set_trace_callback(traced))
+
+    async def kinds(self) -> list[str]:
+        """The writes so far (asyncpg hands a statement to its loggers on the loop's next
+        turn)."""
+        await anyio.lowlevel.checkpoint()
+        return self._kinds
+
+
+def _writes(statement: str) -> bool:
+    return any(write in statement for write in ("INSERT INTO", "UPDATE ", "DELETE FROM"))
 
 
 async def test_a_declared_fenced_route_claims_and_completes_without_their_own_flush(
@@ -123,7 +148,7 @@ async def test_a_declared_fenced_route_claims_and_completes_without_their_own_fl
         assert reply.status_code == 201
         # PostgreSQL only: elsewhere every write waits for the disk, which is always safe.
         assert (
-            writes.kinds
+            await writes.kinds()
             == (["durable"] if store.url.get_backend_name() == "sqlite" else ["fast"]) * 2
         )
         again = await client.post("/fenced", headers={"Idempotency-Key": "k"})
@@ -138,7 +163,7 @@ async def test_an_unfenced_route_records_its_answer_durably(
     writes = Writes(store)
     async with client_for(order_service(store, engine)) as client:
         assert (await client.post("/unfenced", headers={"Idempotency-Key": "k"})).is_success
-    assert writes.kinds == ["durable", "durable"]
+    assert await writes.kinds() == ["durable", "durable"]
 
 
 async def test_a_declared_route_that_did_not_fence_completes_durably_and_says_so_once(
@@ -154,9 +179,9 @@ async def test_a_declared_route_that_did_not_fence_completes_durably_and_says_so
     assert "POST /forgot" in said[0].getMessage()
     # The claims skipped their flush; each completion, the only proof, waited for it.
     if store.url.get_backend_name() == "postgresql":
-        assert writes.kinds == ["fast", "durable"] * 3
+        assert await writes.kinds() == ["fast", "durable"] * 3
     else:
-        assert writes.kinds == ["durable", "durable"] * 3
+        assert await writes.kinds() == ["durable", "durable"] * 3
     async with engine.connect() as conn:
         completed = await conn.scalar(
             select(func.count()).select_from(records).where(records.c.status == "completed")

@@ -13,11 +13,12 @@ from contextlib import asynccontextmanager
 import anyio
 import asyncpg
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, update
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw import ClaimOutcome, SQLStore, StoredResponse, StoreError
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import records
 from tests.conftest import (
     DATABASES,
     POSTGRESQL_URL,
@@ -52,6 +53,21 @@ async def postgresql() -> AsyncIterator[asyncpg.Connection]:
     connection = await asyncpg.connect(POSTGRESQL_URL)
     yield connection
     await connection.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "kept"), [("", True), ("&prepared_statement_cache_size=0", False)]
+)
+async def test_prepared_statements_stay_on_the_connections_unless_the_url_turns_them_off(
+    postgresql: asyncpg.Connection, options: str, kept: bool
+) -> None:
+    # PgBouncer in transaction mode hands a session's statements to other clients: with
+    # prepared_statement_cache_size=0 neither SQLAlchemy nor asyncpg keeps named statements.
+    async with named_store(options) as (store, _):
+        await first_and_replay(store)
+        async with store.engine.connect() as conn:
+            count = "SELECT count(*) FROM pg_prepared_statements"
+            assert bool((await conn.exec_driver_sql(count)).scalar()) is kept
 
 
 async def test_a_pgbouncer_url_runs_and_names_its_connections(
@@ -193,12 +209,99 @@ async def test_a_connection_the_server_dropped_costs_no_request(
     postgresql: asyncpg.Connection,
 ) -> None:
     # The server ends every pooled connection of the store (a restart, an idle timeout), and
-    # the store does not notice until it uses one: the statement runs again on a new one.
+    # the store does not notice until it uses one: the statement runs again on a new one, and
+    # the other connections pooled before it are replaced too.
     async with named_store() as (store, name):
-        await first_and_replay(store)
+        await asyncio.gather(*(first_and_replay(store) for _ in range(4)))
         ended = await on_the_server(postgresql, "count(pg_terminate_backend(pid))", name)
-        assert ended >= 1
-        await first_and_replay(store)
+        assert ended >= 2
+        for _ in range(4):
+            await first_and_replay(store)
+
+
+@pytest.fixture
+async def url_store(database_url: str) -> AsyncIterator[SQLStore]:
+    """A store made from a URL, on an empty table, with a short operation timeout."""
+    store = await fresh_sql_store(database_url, operation_timeout=0.5)
+    yield store
+    await store.aclose()
+
+
+async def test_a_url_store_runs_a_request_on_its_pools_driver_connections(
+    url_store: SQLStore,
+) -> None:
+    # The documented trade: SQLAlchemy's statement events (and the instrumentation built on
+    # them) do not see a request's statements; the pool's events still see every connection.
+    engine = url_store.engine.sync_engine
+    sent: list[str] = []
+    taken: list[object] = []
+    event.listen(engine, "before_cursor_execute", lambda *args: sent.append(args[2]))
+    event.listen(engine, "checkout", lambda *args: taken.append(args[0]))
+    await first_and_replay(url_store)
+    assert sent == []
+    assert len(taken) >= 3
+    assert url_store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+async def test_more_calls_at_once_than_the_pool_holds_wait_for_its_connections(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The pool opens no connection beyond its size: one would be closed on its way back, and
+    # the direct path gives connections back outside SQLAlchemy's greenlet, where a close
+    # cannot wait for the driver (it would fail, and leave the connection to the collector).
+    store = await fresh_sql_store(database_url)
+    pool = store.engine.pool
+    size = pool.size()  # type: ignore[attr-defined]
+    await asyncio.gather(*(first_and_replay(store) for _ in range(size + 4)))
+    assert pool.checkedin() <= size  # type: ignore[attr-defined]
+    await store.aclose()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("sqlalchemy")] == []
+
+
+@asynccontextmanager
+async def record_held(url: str, key: str) -> AsyncIterator[None]:
+    """Another session holds ``key``'s record (its row; SQLite's whole file) until exit."""
+    engine = create_async_engine(async_url(url))
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                update(records).where(records.c.key == key).values(token=records.c.token)
+            )
+            yield
+    finally:
+        await engine.dispose()
+
+
+async def test_a_statement_cancelled_midway_gives_its_connection_up(
+    url_store: SQLStore, database_url: str
+) -> None:
+    claim = await url_store.claim("", "k", "f", ttl=60, lease=60)
+    assert claim.token is not None
+    engine = url_store.engine
+    invalidated: list[object] = []
+    event.listen(engine.sync_engine, "invalidate", lambda *args: invalidated.append(args[0]))
+    async with record_held(database_url, "k"):
+        # The completion waits for the record, and the store stops waiting for it.
+        with pytest.raises(StoreError):
+            await url_store.complete("", "k", claim.token, RESPONSE, ttl=60)
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        if not database_url.startswith("sqlite"):
+            # Its connection, still busy with the statement, never went back to the pool.
+            # (SQLite refuses the statement itself once its wait for the lock, a share of the
+            # operation's time, ends: that connection is as good as before.)
+            assert invalidated
+    assert await url_store.complete("", "k", claim.token, RESPONSE, ttl=60)
+    for _ in range(3):
+        await first_and_replay(url_store)
+    await url_store.aclose()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
 async def test_closing_waits_for_a_call_between_two_of_its_statements(database_url: str) -> None:

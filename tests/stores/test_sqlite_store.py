@@ -23,7 +23,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from idempotency_mw import ConfigurationError, SQLStore, Store, StoreError
 from idempotency_mw.records import ClaimOutcome, StoredResponse
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.database import Database, engine_for
 from idempotency_mw.stores.sql.sqlite import Synchronous
+from idempotency_mw.stores.sql.statements import CLAIM_READ
 from tests.conftest import POSTGRESQL_URL, built_store, fresh_sql_store
 
 pytestmark = pytest.mark.anyio
@@ -86,6 +88,38 @@ async def test_a_claim_that_timed_out_never_takes_the_key_later(sqlite_url: str)
         assert (await store.claim("", "k", "f", ttl=60, lease=60)).token
     finally:
         await store.aclose()
+
+
+async def test_a_statement_that_failed_on_the_driver_is_not_sent_again(tmp_path: Path) -> None:
+    # On SQLite a failed statement is final: one refused for a lock already waited as long as
+    # the deadline allows, and a second wait would outlast its caller and land after it. A
+    # statement the database refused leaves its connection as good as before.
+    engine = engine_for(f"sqlite:///{tmp_path / 'no-table.db'}")
+    database = Database(engine, owned=True, direct=[CLAIM_READ])
+    through_sqlalchemy: list[str] = []
+    event.listen(
+        engine.sync_engine,
+        "before_cursor_execute",
+        lambda _conn, _cursor, sql, *_: through_sqlalchemy.append(sql),
+    )
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="no such table"):
+            await database.fetch(
+                CLAIM_READ,
+                {
+                    "p_scope": "",
+                    "p_key": "k",
+                    "p_token": "t",
+                    "p_fingerprint": "f",
+                    "p_binding": "",
+                },
+                deadline=time.monotonic() + 5,
+            )
+        assert through_sqlalchemy == []
+        # The database refused the statement: its connection went back to the pool as it was.
+        assert engine.pool.checkedin() == 1
+    finally:
+        await database.aclose()
 
 
 async def test_the_first_connection_never_blocks_the_event_loop(sqlite_url: str) -> None:

@@ -39,6 +39,9 @@ Row = Sequence[Any]
 class ClaimSQL(abc.ABC):
     """One dialect's claim."""
 
+    #: The statements it sends.
+    statements: tuple[Executable, ...]
+
     @abc.abstractmethod
     async def attempt(
         self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
@@ -92,6 +95,7 @@ class SQLiteClaim(ClaimSQL):
 
     def __init__(self) -> None:
         self._upsert = _upsert_returning(sqlite)
+        self.statements = (CLAIM_READ, PROBATION, self._upsert)
 
     async def attempt(
         self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
@@ -138,6 +142,7 @@ class PostgreSQLClaim(ClaimSQL):
             select(taken.c.token).scalar_subquery(),
             exists(select(probation.c.granted)),
         )
+        self.statements = (self._statement,)
 
     async def attempt(
         self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
@@ -181,6 +186,7 @@ class MySQLClaim(ClaimSQL):
             if name not in (*KEY_COLUMNS, "token")
         ]
         self._upsert = insert.on_duplicate_key_update(assignments)
+        self.statements = (CLAIM_READ, PROBATION, self._upsert, WINNER)
 
     async def attempt(
         self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool

@@ -10,9 +10,10 @@ runs again: every statement of the store is safe to run twice.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, CursorResult
@@ -25,11 +26,10 @@ from sqlalchemy.sql.expression import Executable
 from idempotency_mw._backoff import Backoff
 from idempotency_mw._urls import shown_url
 from idempotency_mw.exceptions import ConfigurationError, install_extra
+from idempotency_mw.stores.sql.direct import Direct, Params, Rows
 from idempotency_mw.stores.sql.sqlite import Synchronous, check_options, prepare_connections
 
 T = TypeVar("T")
-Rows = Sequence[Sequence[Any]]
-Params = Mapping[str, Any]
 
 #: The async driver used for each backend when a URL names none (or a sync one).
 ASYNC_DRIVERS = {
@@ -42,8 +42,12 @@ _ASYNC_DRIVER_NAMES = {"aiosqlite", "asyncpg", "psycopg", "asyncmy", "aiomysql"}
 #: The extra that installs each async driver the store uses by default.
 _EXTRAS = {"aiosqlite": "sql", "asyncpg": "postgresql", "asyncmy": "mysql"}
 _IN_MEMORY = (None, "", ":memory:")
-#: A made engine's pool on a database server: connections kept, and opened beyond them at a peak.
-POOL_SIZE, MAX_OVERFLOW = 10, 10
+#: How many connections a made engine's pool opens (as needed) and keeps, on a database server
+#: and on a SQLite file. None beyond: a connection then goes back to the pool without I/O (none
+#: is closed on its return, nor reset), so the direct path (direct.py) returns it outside
+#: SQLAlchemy's greenlet; and a pool full at every peak opened and closed connections at a
+#: steady load above its size.
+SERVER_POOL_SIZE, SQLITE_POOL_SIZE = 20, 5
 #: Seconds after which a made engine replaces a pooled connection (when it is next taken), so
 #: that a server or proxy that drops old connections fails no statement.
 POOL_RECYCLE = 300
@@ -100,15 +104,15 @@ def engine_for(
     # No reset on return: the store's connections are in autocommit, with nothing to roll back.
     options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
     if backend != "sqlite":
-        options |= {
-            "pool_size": POOL_SIZE,
-            "max_overflow": MAX_OVERFLOW,
-            "pool_recycle": POOL_RECYCLE,
-        }
+        options |= {"pool_size": SERVER_POOL_SIZE, "max_overflow": 0, "pool_recycle": POOL_RECYCLE}
     elif sqlite_file:
         # As SQLAlchemy itself pools a file's connections since 2.0.38 (before: none pooled,
-        # each statement a new connection and thread).
-        options["poolclass"] = AsyncAdaptedQueuePool
+        # each statement a new connection and thread). In memory: one connection, static.
+        options |= {
+            "poolclass": AsyncAdaptedQueuePool,
+            "pool_size": SQLITE_POOL_SIZE,
+            "max_overflow": 0,
+        }
     if backend in ("mysql", "mariadb") and "init_command" not in parsed.query:
         options["connect_args"] = {"init_command": READ_COMMITTED}
     try:
@@ -135,7 +139,8 @@ def asyncpg_settings(url: URL) -> tuple[URL, dict[str, Any]]:
     """``url`` without the options that asyncpg's ``connect`` does not take, and those options
     as its ``server_settings``: libpq, and asyncpg's own DSNs, read ``application_name``,
     ``search_path`` and any other server setting from a URL so. libpq's ``sslmode`` is asyncpg's
-    ``ssl``."""
+    ``ssl``. ``prepared_statement_cache_size=0`` (PgBouncer) turns asyncpg's own cache of named
+    statements off too: the store's direct statements (see direct.py) would use it."""
     import asyncpg
 
     taken = {*inspect.signature(asyncpg.connect).parameters, *_SQLALCHEMY_ASYNCPG_OPTIONS}
@@ -144,7 +149,10 @@ def asyncpg_settings(url: URL) -> tuple[URL, dict[str, Any]]:
         query["ssl"] = query.pop("sslmode")
     settings = {name: value for name, value in query.items() if name not in taken}
     kept = {name: value for name, value in query.items() if name in taken}
-    return url.set(query=kept), ({"server_settings": settings} if settings else {})
+    connect_args: dict[str, Any] = {"server_settings": settings} if settings else {}
+    if query.get("prepared_statement_cache_size") == "0" and "statement_cache_size" not in query:
+        connect_args["statement_cache_size"] = 0
+    return url.set(query=kept), connect_args
 
 
 class Database:
@@ -154,9 +162,16 @@ class Database:
     than its connections belong to (a ``TestClient`` without ``with`` runs each request in a
     loop of its own), an owned engine starts a new pool there and leaves the old one to its
     loop; a given engine fails with the way out.
+
+    On an owned engine the ``direct`` statements (the request path's) run on the driver's
+    own connection (see :mod:`~idempotency_mw.stores.sql.direct`): every connection of that
+    engine is in autocommit. A given engine's statements all run through SQLAlchemy, with its
+    events and its isolation settings.
     """
 
-    def __init__(self, engine: AsyncEngine, *, owned: bool) -> None:
+    def __init__(
+        self, engine: AsyncEngine, *, owned: bool, direct: Iterable[Executable] = ()
+    ) -> None:
         self.engine = engine
         self.dialect_name = engine.dialect.name
         self.url = engine.url
@@ -166,6 +181,13 @@ class Database:
             engine.dialect.loaded_dbapi.Error,
         )
         self._owned = owned
+        self._direct = Direct.of(engine, direct) if owned else None
+        #: The driver's own errors after which a direct statement runs again through SQLAlchemy.
+        self._direct_errors: tuple[type[Exception], ...] = ()
+        if self._direct is not None:
+            if self._direct.reruns:
+                self._direct_errors = (*self._direct.errors, OSError)
+            self.errors += self._direct.errors
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Statements under way in this loop, and set when there are none.
         self._running = 0
@@ -185,27 +207,61 @@ class Database:
     ) -> Rows:
         """Rows of one statement; ``durable=False``: on PostgreSQL, its commit waits for no
         flush of its own (elsewhere every commit waits for the disk)."""
-        return await self._run(_reading(statement, params, CursorResult.all), deadline, durable)
+        direct = self._direct_for(statement, durable)
+        return await self._run(
+            _reading(statement, params, CursorResult.all),
+            deadline,
+            durable,
+            None if direct is None else functools.partial(direct.fetch, statement, params),
+        )
 
     async def change(
         self, statement: Executable, params: Params, *, deadline: float, durable: bool = True
     ) -> int:
         """Rows changed by one statement (``durable`` as for :meth:`fetch`)."""
-        return await self._run(_reading(statement, params, _rowcount), deadline, durable)
+        direct = self._direct_for(statement, durable)
+        return await self._run(
+            _reading(statement, params, _rowcount),
+            deadline,
+            durable,
+            None if direct is None else functools.partial(direct.change, statement, params),
+        )
 
     async def run_sync(self, operation: Callable[[Connection], T], *, deadline: float) -> T:
         """``operation`` on a SQLAlchemy connection (the start-up check)."""
         return await self._run(lambda conn: conn.run_sync(operation), deadline, True)
 
+    def _direct_for(self, statement: Executable, durable: bool) -> Direct | None:
+        """The direct path, if ``statement`` takes it (a write that skips its own flush runs
+        in a transaction, through SQLAlchemy)."""
+        direct = self._direct
+        if direct is None or not direct.runs(statement):
+            return None
+        return direct if durable or self._in_transaction is None else None
+
     async def _run(
-        self, run: Callable[[AsyncConnection], Awaitable[T]], deadline: float, durable: bool
+        self,
+        run: Callable[[AsyncConnection], Awaitable[T]],
+        deadline: float,
+        durable: bool,
+        direct: Callable[[Any], Awaitable[T]] | None = None,
     ) -> T:
+        """``run`` on a SQLAlchemy connection, or ``direct`` on a driver connection if given."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             await self._enter(loop)
         self._running += 1
         self._settled.clear()
         try:
+            if direct is not None:
+                try:
+                    return await self._on_driver(direct)
+                except self._direct_errors:
+                    # SQLAlchemy tells a connection the server dropped (then it replaces every
+                    # connection pooled before it) and a deadlock's victim from other failures:
+                    # the statement runs again through it, if there is time left.
+                    if time.monotonic() >= deadline:
+                        raise
             return await self._with_reruns(run, deadline, durable)
         finally:
             self._running -= 1
@@ -239,6 +295,22 @@ class Database:
                 ) from exc
             await asyncio.sleep(pause)
             attempt += 1
+
+    async def _on_driver(self, run: Callable[[Any], Awaitable[T]]) -> T:
+        """``run`` on the driver connection of a connection of the engine's pool."""
+        pooled = await self.engine.raw_connection()
+        try:
+            result = await run(pooled.driver_connection)
+        except BaseException as exc:
+            assert self._direct is not None
+            if self._direct.keeps_connection(exc):
+                pooled.close()
+            else:
+                # Cancelled or cut off mid-way, the connection may be in any state: never reused.
+                pooled.invalidate()
+            raise
+        pooled.close()
+        return result
 
     async def _enter(self, loop: asyncio.AbstractEventLoop) -> None:
         """Use the engine from ``loop`` on: an owned engine's pool of another loop is left to

@@ -93,7 +93,7 @@ class SQLStore(SQLInspection, ClaimsWithToken):
     ) -> None:
         if isinstance(database, AsyncEngine):
             check_options(sqlite_wal, sqlite_synchronous, sqlite_file=False)
-            self._database = Database(database, owned=False)
+            engine, owned = database, False
         else:
             engine = engine_for(
                 database,
@@ -103,17 +103,26 @@ class SQLStore(SQLInspection, ClaimsWithToken):
                 # one that ran after the request was answered 503 would hold the key for nothing.
                 busy_timeout=operation_timeout * _LOCK_SHARE,
             )
-            self._database = Database(engine, owned=True)
+            owned = True
+        dialect = engine.dialect.name
+        self._claim_sql = CLAIMS[dialect]
+        self._purge = PURGES[dialect]
+        self._settling = SETTLING.get(dialect, SILENT) if settlement_notices else SILENT
+        settling = self._settling
+        # The statements of a first request and of a replay.
+        request_path = (
+            *self._claim_sql.statements,
+            settling.complete,
+            settling.release,
+            settling.release_committed,
+        )
+        self._database = Database(engine, owned=owned, direct=request_path)
         self._operation_timeout = operation_timeout
         self._errors: tuple[type[Exception], ...] = (
             *self._database.errors,
             OSError,
             TimeoutError,
         )
-        dialect = self._database.dialect_name
-        self._claim_sql = CLAIMS[dialect]
-        self._purge = PURGES[dialect]
-        self._settling = SETTLING.get(dialect, SILENT) if settlement_notices else SILENT
         self._feeds = Feeds()
 
     def __repr__(self) -> str:
