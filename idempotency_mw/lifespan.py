@@ -14,21 +14,22 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw.cleanup import PurgeSchedule, background_purge
-from idempotency_mw.exceptions import SchemaError, StoreError
+from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError
 from idempotency_mw.stores.base import Store
 
 logger = logging.getLogger("idempotency_mw")
 
 
 async def check_store(store: Store) -> None:
-    """Check the store at start-up: a wrong schema raises, an unreachable store only warns.
+    """Check the store at start-up: a wrong schema or a setting the store's server refuses
+    raises, an unreachable store only warns.
 
     A service must start (and a server must be able to replace a worker) while its store is
     down; keyed requests get 503 until the store answers.
     """
     try:
         await store.startup()
-    except SchemaError as exc:
+    except (SchemaError, ConfigurationError) as exc:
         logger.error("idempotency store not ready: %s", exc)
         raise
     except StoreError as exc:

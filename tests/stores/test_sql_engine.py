@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator
@@ -16,11 +17,13 @@ import pytest
 from sqlalchemy import event, update
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from idempotency_mw import ClaimOutcome, SQLStore, StoredResponse, StoreError
+from idempotency_mw import ClaimOutcome, ConfigurationError, SQLStore, StoredResponse, StoreError
+from idempotency_mw.lifespan import check_store
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import records
 from tests.conftest import (
     DATABASES,
+    MARIADB_URL,
     POSTGRESQL_URL,
     REQUIRE_SERVERS,
     SERVER_DATABASES,
@@ -319,3 +322,31 @@ async def test_closing_waits_for_a_call_between_two_of_its_statements(database_u
         warnings.simplefilter("always", ResourceWarning)
         gc.collect()
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+@pytest.mark.parametrize(
+    ("option", "refusal"),
+    [
+        ("no_such_parameter=1", 'unrecognized configuration parameter "no_such_parameter"'),
+        ("statement_timeout=soon", 'invalid value for parameter "statement_timeout"'),
+    ],
+    ids=["unknown", "invalid"],
+)
+async def test_a_setting_the_server_refuses_fails_the_start_up(
+    postgresql: asyncpg.Connection, option: str, refusal: str
+) -> None:
+    # It would fail every connection however long the service waited: not a store that is
+    # down for now (a warning at start-up, then 503 to every keyed request).
+    store = SQLStore(f"{POSTGRESQL_URL}?{option}", operation_timeout=5)
+    try:
+        with pytest.raises(ConfigurationError, match=re.escape(refusal)):
+            await check_store(store)
+    finally:
+        await store.aclose()
+
+
+async def test_a_url_option_asyncmy_does_not_take_is_refused_when_the_store_is_made() -> None:
+    with pytest.raises(ConfigurationError, match="asyncmy does not take the URL option"):
+        SQLStore(f"{MARIADB_URL}?conect_timeout=5")
+    # Those it takes, as SQLAlchemy hands them over, pass.
+    await SQLStore(f"{MARIADB_URL}?charset=utf8mb4&connect_timeout=5").aclose()

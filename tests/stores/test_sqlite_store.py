@@ -117,7 +117,7 @@ async def test_a_statement_that_failed_on_the_driver_is_not_sent_again(tmp_path:
             )
         assert through_sqlalchemy == []
         # The database refused the statement: its connection went back to the pool as it was.
-        assert engine.pool.checkedin() == 1
+        assert engine.pool.checkedin() == 1  # type: ignore[attr-defined]
     finally:
         await database.aclose()
 

@@ -128,11 +128,28 @@ def engine_for(
         # Still a ModuleNotFoundError (which callers such as the CLI recognise), now saying
         # what to install.
         raise ModuleNotFoundError(f"SQLStore on {backend} needs {name}: {how}", name=name) from exc
+    if parsed.get_driver_name() == "asyncmy":
+        _check_asyncmy_options(engine)
     if sqlite_file:
         prepare_connections(
             engine, wal=sqlite_wal is not False, synchronous=sqlite_synchronous, busy=busy_timeout
         )
     return engine
+
+
+def _check_asyncmy_options(engine: AsyncEngine) -> None:
+    """Raise :class:`ConfigurationError` for a URL option that asyncmy's ``connect()`` does not
+    take (it would fail every connection with a ``TypeError``): checked once, with the options
+    as SQLAlchemy hands them to the driver."""
+    import asyncmy
+
+    _, given = engine.dialect.create_connect_args(engine.url)
+    unknown = sorted(set(given) - set(inspect.signature(asyncmy.connect).parameters))
+    if unknown:
+        raise ConfigurationError(
+            f"asyncmy does not take the URL option(s) {', '.join(unknown)} (a misspelling?); "
+            "options it does not take go on an engine of your own (SQLStore(engine))"
+        )
 
 
 def asyncpg_settings(url: URL) -> tuple[URL, dict[str, Any]]:

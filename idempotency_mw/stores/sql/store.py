@@ -12,7 +12,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.expression import Executable
 
 from idempotency_mw._urls import shown_url
-from idempotency_mw.exceptions import SettlementFeedUnsupported, StoreError, store_error
+from idempotency_mw.exceptions import (
+    ConfigurationError,
+    SettlementFeedUnsupported,
+    StoreError,
+    store_error,
+)
 from idempotency_mw.metrics import key_hash
 from idempotency_mw.records import (
     Claim,
@@ -306,9 +311,21 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         return await self._call("purge", lambda ends: self._change(self._purge, params, ends))
 
     async def startup(self) -> None:
-        await self._call(
-            "startup check", lambda ends: self._database.run_sync(check_schema, deadline=ends)
-        )
+        """Check the table (:class:`~idempotency_mw.exceptions.SchemaError` when it is missing
+        or old); a setting of the URL the server refuses (an unknown or invalid PostgreSQL
+        parameter) raises :class:`~idempotency_mw.exceptions.ConfigurationError`: it would fail
+        every connection, however long the service waits."""
+        try:
+            await self._call(
+                "startup check", lambda ends: self._database.run_sync(check_schema, deadline=ends)
+            )
+        except StoreError as exc:
+            refusal = _driver_error(exc)
+            if refusal is not None and getattr(refusal, "sqlstate", None) in _REFUSED_SETTINGS:
+                raise ConfigurationError(
+                    f"{self!r}: the database refused a setting of the URL: {refusal}"
+                ) from exc
+            raise
 
     async def aclose(self) -> None:
         await self._feeds.close()
@@ -326,6 +343,22 @@ class SQLStore(SQLInspection, ClaimsWithToken):
                 return await call(ends)
         except self._errors as exc:
             raise store_error(operation, repr(self), exc, self._operation_timeout) from exc
+
+
+#: PostgreSQL's answers to a connection setting it does not know (undefined_object) or takes
+#: no such value for (invalid_parameter_value).
+_REFUSED_SETTINGS = frozenset({"42704", "22023"})
+
+
+def _driver_error(exc: BaseException) -> BaseException | None:
+    """The driver's error under ``exc`` that carries a SQLSTATE (asyncpg's and psycopg's
+    errors do), if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(getattr(seen, "sqlstate", None), str):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _record_of(scope: str, key: str) -> dict[str, str]:
