@@ -16,6 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.schema import records
 from tests.conftest import (
     REDIS_URL,
     SERVER_DATABASES,
@@ -161,6 +162,21 @@ async def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
+async def claimed(url: str, key: str) -> None:
+    """Until ``key`` is claimed (in progress) in the table at ``url``."""
+    engine = create_async_engine(async_url(url))
+    query = select(records.c.key).where(records.c.key == key, records.c.status == "in_progress")
+    try:
+        with anyio.fail_after(20):
+            while True:
+                async with engine.connect() as conn:
+                    if (await conn.execute(query)).first() is not None:
+                        return
+                await anyio.sleep(0.02)
+    finally:
+        await engine.dispose()
+
+
 async def test_a_fenced_effect_commits_once_when_a_paused_worker_loses_its_key(
     sql_url: str, tmp_path: Path
 ) -> None:
@@ -180,9 +196,10 @@ async def test_a_fenced_effect_commits_once_when_a_paused_worker_loses_its_key(
                 )
 
             group.start_soon(post, "first", first)
-            await anyio.sleep(0.4)
-            # The first worker freezes mid-handler past its lease: a retry takes the key over
-            # on the second worker and commits its effect.
+            # Once its claim is in the table, the first worker is in its handler (1.5 s long)...
+            await claimed(sql_url, key)
+            # ...and freezes there past its lease: a retry takes the key over on the second
+            # worker and commits its effect.
             os.kill(first.process.pid, signal.SIGSTOP)
             try:
                 await anyio.sleep(1.2)
