@@ -160,7 +160,9 @@ class IdempotentFunctions:
     ``settings`` are those of every idempotent call (:class:`~idempotency_mw.CallOptions`):
     ``ttl``, how long a result is kept; ``lease``, how long a running call holds its key
     without renewal (renewed while it runs; a crashed worker's key is taken over once it
-    lapses); ``wait``, how long a repeat waits for a running call before :class:`StillRunning`.
+    lapses); ``wait``, how long a repeat waits for a running call before :class:`StillRunning`;
+    ``fenced``, whether the calls commit their effects with :func:`~idempotency_mw.fence` (their
+    claim and completion then skip their own flush where the database allows it).
     ``scope`` is the namespace of the keys (never shared with HTTP requests' records unless
     you say so); ``codec`` stores the return values, at most ``max_result_bytes`` each.
     ``on_event``, ``on_lease_lost`` and ``clock`` are the middleware's. The store's schema is
@@ -321,6 +323,7 @@ class IdempotentFunctions:
             lease=self.settings.lease,
             wait=self.settings.wait,
             binding=binding,
+            fenced=self.settings.fenced,
         )
         call = self.engine.call(request, method="CALL", route=name)
         async with self.engine.hold(answered=lambda: False) as hold:
@@ -357,7 +360,8 @@ class IdempotentFunctions:
                 raise
             finally:
                 current_claim.reset(reset)
-            await call.complete(token, self._stored(result, call))
+            fenced = hold.claim_held.fenced or hold.claim_held.committed_earlier
+            await call.complete(token, self._stored(result, call), fenced=fenced)
             return result
         # The lease could not be proven any more, and the work was stopped.
         raise LeaseLost(

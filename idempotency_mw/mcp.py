@@ -123,7 +123,7 @@ class IdempotentTools(Extension):
     ``Authorization`` header of the HTTP request) so that another caller never gets it; or a
     callable of the request context that returns the caller's namespace, which alone then
     decides (return one string for every caller to share records on purpose). The settings
-    (``ttl``, ``lease``, ``wait``: :class:`~idempotency_mw.CallOptions`),
+    (``ttl``, ``lease``, ``wait``, ``fenced``: :class:`~idempotency_mw.CallOptions`),
     ``max_result_bytes`` and ``on_event`` are
     :class:`~idempotency_mw.functions.IdempotentFunctions`'. Advertised in the server's
     capabilities (``extensions``); put :data:`TOOL_META` in a protected tool's ``meta=`` to

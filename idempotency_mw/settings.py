@@ -37,6 +37,11 @@ class CallOptions(TypedDict, total=False):
     wait: Duration
     """How long a repeat that finds its key in progress waits for the first call's outcome
     before it is refused as in progress: 0 by default."""
+    fenced: bool
+    """``True`` when the call (an endpoint, a function, a tool) commits its effect with
+    ``fence()``: the claim and the completion then skip their own flush to disk where the
+    store's database allows it (the fenced commit decides; a call that returns without
+    ``fence()`` is recorded durably, and logged once). ``False`` by default."""
 
 
 class RouteOptions(CallOptions, total=False):
@@ -51,11 +56,6 @@ class RouteOptions(CallOptions, total=False):
     release_statuses: Iterable[int]
     """4xx answers of the endpoint that prove it did nothing, so the key is released instead
     of recorded: none by default (every answer below 500 is recorded)."""
-    fenced: bool
-    """``True`` when the endpoint commits its effect with ``fence()``: the claim and the
-    completion then skip their own flush to disk where the store's database allows it (the
-    fenced commit decides; a request that returns without ``fence()`` is recorded durably,
-    and logged once). ``False`` by default."""
     max_request_bytes: int
     """The largest keyed request body the route fingerprints (413 above): 1 MiB by default."""
 

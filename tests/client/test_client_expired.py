@@ -75,12 +75,13 @@ async def test_reconcile_after_the_server_forgot_the_key_never_makes_a_second_ti
             op = await before.operation("create-ticket", ref="order-17")
             with pytest.raises(OutcomeUnknown):
                 await before.send(op, "POST", "/tickets", json=TICKET)
-        assert tickets(database, "order-17") == 1
-        # The response was dropped on its way: the service may still be recording it (on a
-        # loaded machine, a while). Its TTL runs from then.
+        # The proxy dropped the response without waiting for it: the service may still be
+        # creating the ticket and recording its answer (on a loaded machine, a while). The
+        # record's TTL runs from then.
         with anyio.fail_after(10):
-            while in_progress_records(database):  # noqa: ASYNC110 (polls the database)
+            while not tickets(database, "order-17") or in_progress_records(database):  # noqa: ASYNC110 (polls the database)
                 await anyio.sleep(0.02)
+        assert tickets(database, "order-17") == 1
         await anyio.sleep(1.2)  # past the record's TTL and the client's retention
 
         proxy.rates = FaultRates()  # the network heals; the agent restarts

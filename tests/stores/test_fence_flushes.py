@@ -24,6 +24,7 @@ from idempotency_mw import (
     fence,
     idempotent,
 )
+from idempotency_mw.functions import IdempotentFunctions
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.database import UNFLUSHED
 from idempotency_mw.stores.sql.schema import records
@@ -187,6 +188,35 @@ async def test_a_declared_route_that_did_not_fence_completes_durably_and_says_so
             select(func.count()).select_from(records).where(records.c.status == "completed")
         )
     assert completed == 3
+
+
+async def test_a_function_declared_fenced_skips_the_flushes_its_fence_makes_up_for(
+    store: SQLStore, engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The same setting as a route's, for idempotent functions and (through them) MCP tools.
+    writes = Writes(store)
+    protect = IdempotentFunctions(store, fenced=True)
+
+    async def place(fenced: bool) -> str:
+        order_id = uuid.uuid4().hex
+        async with engine.begin() as connection:
+            await connection.execute(orders.insert().values(id=order_id))
+            if fenced:
+                await fence(connection)
+        return order_id
+
+    fast = "fast" if store.url.get_backend_name() == "postgresql" else "durable"
+    placed = await protect.call("a", "f", lambda: place(True), name="place")
+    assert await writes.kinds() == [fast, fast]
+    assert await protect.call("a", "f", lambda: place(True), name="place") == placed
+    before = len(await writes.kinds())
+    with caplog.at_level(logging.WARNING, logger="idempotency_mw"):
+        for key in ("b", "c"):
+            await protect.call(key, "f", lambda: place(False), name="forgot")
+    # Without fence(), the completion is the only proof: it waits for its flush.
+    assert (await writes.kinds())[before:] == [fast, "durable"] * 2
+    said = [r for r in caplog.records if "answered without fence()" in r.getMessage()]
+    assert [r.getMessage().split(" declares")[0] for r in said] == ["CALL forgot"]
 
 
 async def test_a_lost_claim_still_commits_its_effect_once_and_a_retry_is_refused(
