@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from idempotency_mw import ConfigurationError, SQLStore, Store, StoreError
 from idempotency_mw.records import ClaimOutcome, StoredResponse
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.claims import SQLiteClaim
 from idempotency_mw.stores.sql.database import Database, engine_for
 from idempotency_mw.stores.sql.sqlite import Synchronous
 from idempotency_mw.stores.sql.statements import CLAIM_READ
@@ -118,6 +119,32 @@ async def test_a_statement_that_failed_on_the_driver_is_not_sent_again(tmp_path:
         assert through_sqlalchemy == []
         # The database refused the statement: its connection went back to the pool as it was.
         assert engine.pool.checkedin() == 1  # type: ignore[attr-defined]
+    finally:
+        await database.aclose()
+
+
+async def test_a_claim_statement_run_after_its_deadline_takes_nothing(sqlite_url: str) -> None:
+    # What a claim cancelled by its timeout leaves in the driver's thread, run late (after a
+    # wait for the lock that outlasted its caller): the upsert carries the caller's deadline
+    # and changes nothing once it passed.
+    database = Database(engine_for(sqlite_url), owned=True)
+    params = {
+        "p_scope": "",
+        "p_key": "late",
+        "p_fingerprint": "f",
+        "p_binding": "",
+        "p_token": "t",
+        "p_ttl_ms": 60_000,
+        "p_lease_ms": 60_000,
+    }
+    try:
+        claim = SQLiteClaim()
+        late = await claim.attempt(database, params, time.monotonic() - 0.01, durable=True)
+        assert late == (None, False)
+        assert records_in(sqlite_url) == 0
+        in_time = await claim.attempt(database, params, time.monotonic() + 5, durable=True)
+        assert in_time == (None, True)
+        assert records_in(sqlite_url) == 1
     finally:
         await database.aclose()
 

@@ -15,10 +15,12 @@ the record first) reads it again in its next attempt.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import cast, exists, func, literal_column, null, select
+from sqlalchemy import BigInteger, and_, bindparam, cast, exists, func, literal_column, null, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.sql.expression import Executable
 
@@ -29,6 +31,7 @@ from idempotency_mw.stores.sql.statements import (
     CLAIM_READ,
     KEY_COLUMNS,
     NEW_RECORD,
+    NOW,
     PROBATION,
     WINNER,
 )
@@ -50,15 +53,24 @@ class ClaimSQL(abc.ABC):
         took the key (``durable``: whether its write must wait for its own flush)."""
 
 
-def _upsert_returning(dialect: Any, rows: Any = None) -> Any:
-    """INSERT (the new record, or ``rows``) ON CONFLICT DO UPDATE ... WHERE ... RETURNING."""
-    insert = dialect.insert(records)
-    insert = insert.values(NEW_RECORD) if rows is None else insert.from_select(NEW_RECORD, rows)
+def _upsert_returning(dialect: Any, rows: Any, *, also: Any = None) -> Any:
+    """INSERT ``rows`` ON CONFLICT DO UPDATE ... WHERE ... (and ``also``) RETURNING."""
+    insert = dialect.insert(records).from_select(NEW_RECORD, rows)
     return insert.on_conflict_do_update(
         index_elements=[records.c.scope, records.c.key],
         set_={name: insert.excluded[name] for name in NEW_RECORD if name not in KEY_COLUMNS},
-        where=CAN_TAKE_OVER,
+        where=CAN_TAKE_OVER if also is None else and_(CAN_TAKE_OVER, also),
     ).returning(records.c.token)
+
+
+def _new_record(where: Any) -> Any:
+    """The new record's row, where ``where`` holds."""
+    return select(
+        *(
+            cast(null() if value is None else value, records.c[name].type).label(name)
+            for name, value in NEW_RECORD.items()
+        )
+    ).where(where)
 
 
 async def _read_live(
@@ -84,17 +96,24 @@ class SQLiteClaim(ClaimSQL):
         SELECT request_hash, status, ..., status = 'in_progress' AND token = :token AS mine,
                <expired, or the same request's lease lapsed> AS free
           FROM idempotency_records WHERE scope = :scope AND key = :key;
-        INSERT INTO idempotency_records (...) VALUES (..., :token, now, now + :lease, ...)
+        INSERT INTO idempotency_records (...)
+          SELECT :scope, :key, ..., :token, now, now + :lease, ... WHERE now < :until
           ON CONFLICT (scope, key) DO UPDATE SET ... = excluded....
-          WHERE <expired, or the same request's lease lapsed>
+          WHERE <expired, or the same request's lease lapsed> AND now < :until
           RETURNING token;
 
     The request took the key when the returned token is its own. A live record the read
     found due for probation is put on it instead of the upsert (see the module).
+
+    ``until`` is when the caller stops waiting: a statement runs in the driver's thread, and
+    one that waited there for the lock past that moment changes nothing, so a claim answered
+    as failed never takes the key afterwards. SQLite is in the process: its ``now`` is the
+    system clock, which ``until`` is read from too.
     """
 
     def __init__(self) -> None:
-        self._upsert = _upsert_returning(sqlite)
+        in_time = bindparam("p_until_ms", type_=BigInteger) > NOW
+        self._upsert = _upsert_returning(sqlite, _new_record(in_time), also=in_time)
         self.statements = (CLAIM_READ, PROBATION, self._upsert)
 
     async def attempt(
@@ -103,6 +122,9 @@ class SQLiteClaim(ClaimSQL):
         live, again = await _read_live(driver, params, deadline, durable=durable)
         if live is not None or again:
             return live, False
+        # The deadline on the system clock, as SQLite's now() reads it.
+        until = datetime.now(UTC).timestamp() + deadline - time.monotonic()
+        params = {**params, "p_until_ms": int(until * 1000)}
         rows = await driver.fetch(self._upsert, params, deadline=deadline, durable=durable)
         return None, bool(rows) and rows[0][0] == params["p_token"]
 
@@ -129,12 +151,7 @@ class PostgreSQLClaim(ClaimSQL):
 
     def __init__(self) -> None:
         existing = CLAIM_READ.cte("existing")
-        new_record = select(
-            *(
-                cast(null() if value is None else value, records.c[name].type).label(name)
-                for name, value in NEW_RECORD.items()
-            )
-        ).where(~exists(select(existing.c.free).where(~existing.c.free)))
+        new_record = _new_record(~exists(select(existing.c.free).where(~existing.c.free)))
         taken = _upsert_returning(postgresql, new_record).cte("taken")
         probation = PROBATION.returning(literal_column("1").label("granted")).cte("probation")
         self._statement: Executable = select(
