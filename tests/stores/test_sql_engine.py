@@ -20,6 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from idempotency_mw import ClaimOutcome, ConfigurationError, SQLStore, StoredResponse, StoreError
 from idempotency_mw.lifespan import check_store
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.stores.sql.database import engine_for
+from idempotency_mw.stores.sql.direct import Direct
 from idempotency_mw.stores.sql.schema import records
 from tests.conftest import (
     DATABASES,
@@ -350,3 +352,21 @@ async def test_a_url_option_asyncmy_does_not_take_is_refused_when_the_store_is_m
         SQLStore(f"{MARIADB_URL}?conect_timeout=5")
     # Those it takes, as SQLAlchemy hands them over, pass.
     await SQLStore(f"{MARIADB_URL}?charset=utf8mb4&connect_timeout=5").aclose()
+
+
+async def test_a_connection_postgresql_ended_never_goes_back_to_the_pool() -> None:
+    # The server's answer to a statement leaves the connection as it was; one that ends the
+    # connection (an administrator's shutdown, the server starting up) does not.
+    engine = engine_for(POSTGRESQL_URL)
+    try:
+        direct = Direct.of(engine, [])
+        assert direct is not None
+        assert direct.keeps_connection(asyncpg.UniqueViolationError("duplicate key"))
+        for ended in (
+            asyncpg.AdminShutdownError("terminating connection due to administrator command"),
+            asyncpg.CannotConnectNowError("the database system is starting up"),
+            asyncpg.ConnectionFailureError("connection failure"),
+        ):
+            assert not direct.keeps_connection(ended), ended
+    finally:
+        await engine.dispose()

@@ -122,7 +122,8 @@ class SQLiteClaim(ClaimSQL):
         live, again = await _read_live(driver, params, deadline, durable=durable)
         if live is not None or again:
             return live, False
-        # The deadline on the system clock, as SQLite's now() reads it.
+        # The deadline on the system clock, read as SQLite's now() reads it: from the OS, not
+        # through time.time(), which a test (or a tool) may replace without SQLite seeing it.
         until = datetime.now(UTC).timestamp() + deadline - time.monotonic()
         params = {**params, "p_until_ms": int(until * 1000)}
         rows = await driver.fetch(self._upsert, params, deadline=deadline, durable=durable)

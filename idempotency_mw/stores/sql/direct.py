@@ -74,6 +74,10 @@ class Driver(abc.ABC):
         """How many rows one statement changed."""
 
 
+#: The SQLSTATEs of PostgreSQL's errors that end the connection they come on.
+_CONNECTION_ENDED = ("08", "57P")
+
+
 class _Asyncpg(Driver):
     def errors(self) -> tuple[type[Exception], ...]:
         import asyncpg
@@ -84,7 +88,11 @@ class _Asyncpg(Driver):
     def keeps_connection(self, error: BaseException) -> bool:
         import asyncpg
 
-        return isinstance(error, asyncpg.PostgresError)  # the server's answer
+        # The server's answer to the statement; not one that ends the connection (class 08,
+        # or 57P01-57P03: shut down, crashed, starting up).
+        return isinstance(error, asyncpg.PostgresError) and not str(error.sqlstate).startswith(
+            _CONNECTION_ENDED
+        )
 
     async def fetch(self, connection: Any, sql: str, args: tuple[Any, ...]) -> Rows:
         rows: Rows = await connection.fetch(sql, *args)
