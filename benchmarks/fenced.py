@@ -79,7 +79,7 @@ async def app_database(url: str) -> AsyncIterator[Any]:
     from sqlalchemy import event, text
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from idempotency_mw.proofs import proof_metadata
+    from idempotency_mw.engine.proofs import proof_metadata
     from idempotency_mw.stores.sql import async_url
 
     engine = create_async_engine(async_url(url))

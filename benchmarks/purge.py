@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from benchmarks.common import MARIADB_URL, POSTGRESQL_URL, ensure_database
 from idempotency_mw import SQLStore
-from idempotency_mw.cleanup import purge
+from idempotency_mw.engine.cleanup import purge
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import metadata, records
 

@@ -39,9 +39,9 @@ from benchmarks.common import (
     write_json,
 )
 from idempotency_mw import SQLStore
-from idempotency_mw.fingerprint import request_fingerprint
-from idempotency_mw.records import ClaimOutcome, StoredResponse
+from idempotency_mw.engine.fingerprint import request_fingerprint
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.values.records import ClaimOutcome, StoredResponse
 
 COLUMNS = (
     "scope",

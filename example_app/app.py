@@ -37,9 +37,9 @@ from starlette.requests import HTTPConnection
 
 from example_app.orders import add_order_routes, orders_metadata
 from idempotency_mw import IdempotencyMiddleware, SQLStore, fence, idempotent
-from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.migrate import migration_lock, upgrade
+from idempotency_mw.values.metrics import PrometheusMetrics
 
 DEFAULT_DATABASE_URL = "sqlite:///./example.db"
 

@@ -11,18 +11,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from idempotency_mw._version import __version__
-from idempotency_mw.cleanup import PurgeSchedule
-from idempotency_mw.downstream import downstream_key
-from idempotency_mw.exceptions import (
-    ConfigurationError,
-    EffectCommitted,
-    IdempotencyError,
-    InvalidKey,
-    LeaseLost,
-    SchemaError,
-    StoreError,
-)
-from idempotency_mw.fence import fence, fence_sync
+from idempotency_mw.engine.cleanup import PurgeSchedule
+from idempotency_mw.engine.downstream import downstream_key
+from idempotency_mw.engine.fence import fence, fence_sync
 from idempotency_mw.functions import (
     BytesCodec,
     Codec,
@@ -35,12 +26,21 @@ from idempotency_mw.functions import (
     ResultNotReplayable,
     StillRunning,
 )
-from idempotency_mw.lifespan import store_lifespan
-from idempotency_mw.middleware import IdempotencyMiddleware, install
-from idempotency_mw.policy import idempotent
-from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
-from idempotency_mw.settings import CallOptions, RouteOptions
+from idempotency_mw.http.lifespan import store_lifespan
+from idempotency_mw.http.middleware import IdempotencyMiddleware, install
+from idempotency_mw.http.policy import idempotent
 from idempotency_mw.stores.base import Store
+from idempotency_mw.values.exceptions import (
+    ConfigurationError,
+    EffectCommitted,
+    IdempotencyError,
+    InvalidKey,
+    LeaseLost,
+    SchemaError,
+    StoreError,
+)
+from idempotency_mw.values.records import Claim, ClaimOutcome, StoredResponse
+from idempotency_mw.values.settings import CallOptions, RouteOptions
 
 if TYPE_CHECKING:
     from idempotency_mw.stores.redis import RedisStore
@@ -99,7 +99,7 @@ def __getattr__(name: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] not in needs:
             raise
-        from idempotency_mw.exceptions import install_extra
+        from idempotency_mw.values.exceptions import install_extra
 
         raise ImportError(f"{name} needs {exc.name}: {install_extra(extra)}") from exc
     globals()[name] = value

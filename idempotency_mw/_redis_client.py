@@ -10,7 +10,7 @@ import redis
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
 
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.values.exceptions import ConfigurationError
 
 #: The asynchronous clients a store or journal talks through: one server (or Sentinel's
 #: master) or a Cluster.

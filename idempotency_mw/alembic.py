@@ -13,8 +13,13 @@ from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from idempotency_mw.proofs import PROOF_TABLE, proof_metadata
-from idempotency_mw.stores.sql.schema import TABLE_NAME, metadata
+from idempotency_mw.engine.proofs import PROOF_TABLE, proof_metadata
+from idempotency_mw.stores.sql.schema import (
+    PROOF_VERSION_TABLE,
+    TABLE_NAME,
+    VERSION_TABLE,
+    metadata,
+)
 
 if TYPE_CHECKING:
     from alembic.operations.ops import MigrationScript
@@ -39,10 +44,6 @@ VERSION_LOCATION = "idempotency_mw:migrations/versions"
 #: The ``version_locations`` entry of the proof table ``fence()`` writes when the store is on
 #: another database (branch ``idempotency_mw_proofs``).
 PROOF_VERSION_LOCATION = "idempotency_mw:migrations/proofs"
-#: Where ``idempotency-mw migrate`` records its revision (kept apart from ``alembic_version``).
-VERSION_TABLE = "idempotency_mw_alembic_version"
-#: Where ``idempotency-mw migrate --proofs`` records the proof table's revision.
-PROOF_VERSION_TABLE = "idempotency_mw_proofs_alembic_version"
 
 _OUR_TABLES = frozenset({TABLE_NAME, PROOF_TABLE, VERSION_TABLE, PROOF_VERSION_TABLE})
 

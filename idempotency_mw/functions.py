@@ -21,24 +21,23 @@ from typing import Any, ParamSpec, Protocol, TypeVar, Unpack, cast, overload
 
 import anyio.to_thread
 
-from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, LeaseUnproven
-from idempotency_mw.exceptions import (
+from idempotency_mw.engine.claim import Call, ClaimEngine, ClaimRequest, LeaseUnproven
+from idempotency_mw.engine.fence import current_claim
+from idempotency_mw.engine.lease import Clock
+from idempotency_mw.http.lifespan import check_store
+from idempotency_mw.http.retention import too_old
+from idempotency_mw.stores.base import KeyLookup, Store
+from idempotency_mw.values.exceptions import (
     ConfigurationError,
     IdempotencyError,
     InvalidKey,
     LeaseLost,
     StoreError,
 )
-from idempotency_mw.fence import current_claim
-from idempotency_mw.keys import is_valid_key, key_rule
-from idempotency_mw.lease import Clock
-from idempotency_mw.lifespan import check_store
-from idempotency_mw.metrics import EventHook, EventKind, guard
-from idempotency_mw.options import LeaseLostAction
-from idempotency_mw.records import ClaimOutcome, RecordState, StoredResponse
-from idempotency_mw.retention import too_old
-from idempotency_mw.settings import CALL_SETTINGS, CallOptions, settings_of
-from idempotency_mw.stores.base import KeyLookup, Store
+from idempotency_mw.values.metrics import EventHook, EventKind, guard
+from idempotency_mw.values.records import ClaimOutcome, RecordState, StoredResponse
+from idempotency_mw.values.settings import CALL_SETTINGS, CallOptions, LeaseLostAction, settings_of
+from idempotency_mw.wire import is_valid_key, key_rule
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -258,7 +257,7 @@ class IdempotentFunctions:
     async def run(self, key: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` once per ``key``: its result, or the first call's.
 
-        Raises :class:`~idempotency_mw.exceptions.InvalidKey` (``key`` is not 1-255 visible
+        Raises :class:`~idempotency_mw.values.exceptions.InvalidKey` (``key`` is not 1-255 visible
         ASCII characters), :class:`KeyReused`, :class:`StillRunning`, :class:`ResultNotReplayable`,
         :class:`CommittedWithoutResult`, :class:`~idempotency_mw.LeaseLost` (the store could
         not confirm the key was held: the call was stopped, or nothing ran), and

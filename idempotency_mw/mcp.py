@@ -41,9 +41,8 @@ from mcp_types import (
 )
 from starlette.requests import HTTPConnection
 
-from idempotency_mw.exceptions import IdempotencyError, LeaseLost, StoreError
-from idempotency_mw.fence import UNKEYED, CurrentClaim, current_claim
-from idempotency_mw.fingerprint import credential_digest
+from idempotency_mw.engine.fence import UNKEYED, CurrentClaim, current_claim
+from idempotency_mw.engine.fingerprint import credential_digest
 from idempotency_mw.functions import (
     COMMITTED_WITHOUT_RESULT,
     CommittedWithoutResult,
@@ -54,13 +53,14 @@ from idempotency_mw.functions import (
     ResultNotReplayable,
     StillRunning,
 )
-from idempotency_mw.keys import is_valid_key, key_rule
-from idempotency_mw.lookup import state_json
-from idempotency_mw.metrics import EventHook
-from idempotency_mw.problems import RETRYABLE, Problem
-from idempotency_mw.retention import parse_first_sent
-from idempotency_mw.settings import CallOptions
+from idempotency_mw.http.lookup import state_json
+from idempotency_mw.http.retention import parse_first_sent
 from idempotency_mw.stores.base import Store
+from idempotency_mw.values.exceptions import IdempotencyError, LeaseLost, StoreError
+from idempotency_mw.values.metrics import EventHook
+from idempotency_mw.values.problems import RETRYABLE, Problem
+from idempotency_mw.values.settings import CallOptions
+from idempotency_mw.wire import is_valid_key, key_rule
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -282,7 +282,7 @@ class LookupParams(RequestParams):
 
 class KeyLookupResult(Result):
     """What :data:`LOOKUP_METHOD` answers: what the middleware's lookup answers over HTTP
-    (see :func:`~idempotency_mw.lookup.state_json`), its names in camelCase on the wire, and
+    (see :func:`~idempotency_mw.http.lookup.state_json`), its names in camelCase on the wire, and
     the recorded tool result as a retry would get it replayed (``result``), when there is one.
     """
 

@@ -10,8 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from idempotency_mw.conformance import CASES, CaseResult, ConformanceResult, conformance
-from idempotency_mw.records import (
+from idempotency_mw.operator.conformance import CASES, CaseResult, ConformanceResult, conformance
+from idempotency_mw.stores.base import ClaimsWithToken
+from idempotency_mw.values.records import (
     Claim,
     ClaimOutcome,
     RecordState,
@@ -24,7 +25,6 @@ from idempotency_mw.records import (
     record_state,
     record_version,
 )
-from idempotency_mw.stores.base import ClaimsWithToken
 
 __all__ = ["CASES", "CaseResult", "ConformanceResult", "MemoryStore", "conformance"]
 

@@ -375,7 +375,7 @@ def migrated_postgresql_data() -> Iterator[Path]:
     migrate``: what each :func:`own_postgresql` starts from."""
     with _new_server(PostgreSQLServer) as server:
         subprocess.run(
-            [sys.executable, "-m", "idempotency_mw.cli", "migrate", "--url", server.url],
+            [sys.executable, "-m", "idempotency_mw.operator.cli", "migrate", "--url", server.url],
             check=True,
             capture_output=True,
             timeout=60,

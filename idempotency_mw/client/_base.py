@@ -10,7 +10,7 @@ import httpx
 
 from idempotency_mw.client.journals import Journal, open_journal
 from idempotency_mw.client.protocol import Protocol, ProtocolOptions
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.values.exceptions import ConfigurationError
 
 H = TypeVar("H", httpx.Client, httpx.AsyncClient)
 

@@ -32,7 +32,7 @@ from idempotency_mw.client.protocol import (
     key_digest,
 )
 from idempotency_mw.client.values import JournalEntry
-from idempotency_mw.exceptions import describe
+from idempotency_mw.values.exceptions import describe
 
 logger = logging.getLogger("idempotency_mw.client")
 

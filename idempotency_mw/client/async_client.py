@@ -31,8 +31,8 @@ class IdempotentClient(ClientBase[httpx.AsyncClient], AClosedOnExit):
     :class:`Journal` or the path of a SQLite file. Keys read
     ``<key_prefix>-<session_id>:<operation>:<sequence>:<random>``; an operation decided inside
     a handler (or idempotent function, or MCP tool) the middleware protects takes a key derived
-    from that call's (see :func:`~idempotency_mw.downstream.operation_key`), so a re-run of the
-    handler sends it again under the same key.
+    from that call's (see :func:`~idempotency_mw.engine.downstream.operation_key`), so a re-run
+    of the handler sends it again under the same key.
 
     ``lookup_path``: where the server answers ``GET <lookup_path>/<key>`` (its middleware's
     option): after an attempt whose outcome was lost, the client asks there before it sends

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from idempotency_mw.exceptions import IdempotencyError
+from idempotency_mw.values.exceptions import IdempotencyError
 
 
 class OperationError(IdempotencyError):

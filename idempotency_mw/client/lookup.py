@@ -11,7 +11,7 @@ from urllib.parse import quote
 import httpx
 
 from idempotency_mw.client.values import JournalEntry
-from idempotency_mw.records import KeyState
+from idempotency_mw.values.records import KeyState
 
 #: What the lookup's answer is when it tells nothing (it failed, or the server has none).
 UNANSWERED = "unanswered"
@@ -19,7 +19,7 @@ UNANSWERED = "unanswered"
 
 @dataclass(frozen=True, slots=True)
 class Learned:
-    """What a lookup told: ``state`` (a :class:`~idempotency_mw.records.KeyState` value, or
+    """What a lookup told: ``state`` (a :class:`~idempotency_mw.values.records.KeyState` value, or
     :data:`UNANSWERED`), the recorded ``status``, and the ``replay`` of the recorded answer
     when the server sent it."""
 

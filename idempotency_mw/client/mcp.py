@@ -40,9 +40,9 @@ from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
 from idempotency_mw.client.protocol import ProtocolOptions
 from idempotency_mw.client.saga import AsyncStepClient
 from idempotency_mw.client.values import Operation
-from idempotency_mw.exceptions import ConfigurationError, describe
+from idempotency_mw.http.retention import FIRST_SENT_HEADER
 from idempotency_mw.mcp import LOOKUP_METHOD, KeyLookupResult, LookupParams
-from idempotency_mw.retention import FIRST_SENT_HEADER
+from idempotency_mw.values.exceptions import ConfigurationError, describe
 
 #: Where the key goes in a ``tools/call`` request's ``_meta``.
 META_KEY = "idempotencyKey"

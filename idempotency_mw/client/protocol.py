@@ -52,12 +52,12 @@ from idempotency_mw.client.values import (
     RequestParts,
     RetryPolicy,
 )
-from idempotency_mw.downstream import operation_key
-from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.keys import MAX_KEY_LENGTH
-from idempotency_mw.metrics import EventHook, guard
-from idempotency_mw.records import KeyState
-from idempotency_mw.retention import FIRST_SENT_HEADER, http_date, parse_http_date
+from idempotency_mw.engine.downstream import operation_key
+from idempotency_mw.http.retention import FIRST_SENT_HEADER, http_date, parse_http_date
+from idempotency_mw.values.exceptions import ConfigurationError
+from idempotency_mw.values.metrics import EventHook, guard
+from idempotency_mw.values.records import KeyState
+from idempotency_mw.wire import MAX_KEY_LENGTH
 
 logger = logging.getLogger("idempotency_mw.client")
 

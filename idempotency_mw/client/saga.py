@@ -31,7 +31,7 @@ from idempotency_mw.client.errors import (
 from idempotency_mw.client.protocol import Call, Protocol, Sleep, Steps, check_name
 from idempotency_mw.client.sync_client import SyncIdempotentClient
 from idempotency_mw.client.values import Operation, OperationState, RequestParts
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.values.exceptions import ConfigurationError
 
 R = TypeVar("R")
 H = TypeVar("H")

@@ -12,8 +12,8 @@ from typing import Any, TypedDict
 import httpx
 
 from idempotency_mw._backoff import Backoff
-from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.retention import parse_http_date
+from idempotency_mw.http.retention import parse_http_date
+from idempotency_mw.values.exceptions import ConfigurationError
 
 #: Response headers a journal does not keep: credentials, and framing that no longer applies
 #: to the decoded body it stores.

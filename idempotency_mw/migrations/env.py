@@ -16,7 +16,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 from idempotency_mw.alembic import VERSION_TABLE
-from idempotency_mw.proofs import proof_metadata
+from idempotency_mw.engine.proofs import proof_metadata
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.migrate import migration_lock, plain_engine
 from idempotency_mw.stores.sql.schema import metadata

@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from idempotency_mw.records import (
+from idempotency_mw.values.records import (
     Claim,
     RecordState,
     RecordStatus,
@@ -80,7 +80,7 @@ class Store(Protocol):
     ``CREDENTIAL_MISMATCH``) may say when it ends in ``Claim.expires_at``; the middleware then
     tells the caller (the ``Idempotency-Key-Expires`` header).
 
-    Backend failures raise :class:`~idempotency_mw.exceptions.StoreError`.
+    Backend failures raise :class:`~idempotency_mw.values.exceptions.StoreError`.
 
     A store may also offer :class:`SettlementFeed` and :class:`KeyLookup`, which are optional:
     no store has to (every store of this package offers :class:`KeyLookup`).
@@ -155,13 +155,13 @@ class SettlementFeed(Protocol):
         """Call ``on_settled(digest)`` each time any worker completes or releases a record,
         until cancelled or until the store is closed (then it returns).
 
-        ``digest`` is :func:`~idempotency_mw.metrics.key_hash` of the record's scope and key,
+        ``digest`` is :func:`~idempotency_mw.values.metrics.key_hash` of the record's scope and key,
         never the key. News is best effort: a notification sent while the listening
         connection is down is lost, and a digest may be repeated or shared by two keys, so a
         waiter always checks the record itself. A lost connection is logged and opened again
         with capped backoff; it never ends the watch. Raises
-        :class:`~idempotency_mw.exceptions.SettlementFeedUnsupported` when this store's backend
-        cannot (e.g. a SQLStore on SQLite).
+        :class:`~idempotency_mw.values.exceptions.SettlementFeedUnsupported` when this store's
+        backend cannot (e.g. a SQLStore on SQLite).
         """
         ...
 
@@ -178,7 +178,7 @@ class KeyLookup(Protocol):
         no record, one that counts as absent (past its TTL, no live lease), or one bound to
         other credentials than ``binding`` (so another caller learns nothing, not even that
         the key exists). The recorded response is read along when the record holds one.
-        See :func:`~idempotency_mw.records.record_state`.
+        See :func:`~idempotency_mw.values.records.record_state`.
         """
         ...
 
@@ -218,6 +218,19 @@ class Inspectable(Protocol):
     async def record_stats(self) -> StoreStats:
         """Counts of the store's records by status, fenced and expired, and their size."""
         ...
+
+
+class ClaimFields(Protocol):
+    """What a live claim's record holds: enough to write the record again (the fence's
+    re-write of a claim lost before its flush)."""
+
+    scope: str
+    key: str
+    token: str
+    fingerprint: str
+    binding: str
+    ttl: float
+    lease: float
 
 
 class ClaimsWithToken(abc.ABC):

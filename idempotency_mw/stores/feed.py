@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from idempotency_mw._backoff import Backoff
-from idempotency_mw.exceptions import describe
+from idempotency_mw.values.exceptions import describe
 
 logger = logging.getLogger("idempotency_mw")
 

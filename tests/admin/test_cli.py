@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from idempotency_mw import RedisStore, Store, StoredResponse
-from idempotency_mw.cli import main
-from idempotency_mw.records import ClaimOutcome
+from idempotency_mw.operator.cli import main
+from idempotency_mw.values.records import ClaimOutcome
 from tests.conftest import (
     MARIADB_URL,
     PERSISTENT_STORES,
@@ -494,7 +494,7 @@ def test_mariadb_migrations_print_no_server_warnings() -> None:
     with scratch_database(MARIADB_URL, "warnings") as url:
         for command in ("migrate", "downgrade"):
             result = subprocess.run(
-                [sys.executable, "-m", "idempotency_mw.cli", command, "--url", url],
+                [sys.executable, "-m", "idempotency_mw.operator.cli", command, "--url", url],
                 capture_output=True,
                 text=True,
                 timeout=120,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from idempotency_mw.cli import main
+from idempotency_mw.operator.cli import main
 from idempotency_mw.testing import CASES
 from tests.conftest import REDIS_URL, redis_prefix, require_server
 

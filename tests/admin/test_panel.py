@@ -25,10 +25,10 @@ from starlette.routing import Mount
 from idempotency_mw import RedisStore, SQLStore, StoredResponse
 from idempotency_mw.client import IdempotentClient, JournalEntry, OperationState, SQLiteJournal
 from idempotency_mw.client.journals import NOTE_HEADER
-from idempotency_mw.panel import panel
-from idempotency_mw.records import ClaimOutcome, RecordStatus
+from idempotency_mw.operator.panel import panel
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
+from idempotency_mw.values.records import ClaimOutcome, RecordStatus
 from tests.conftest import _missing
 from tests.support.client_support import BASE_URL, Server, sqlite_store_at
 from tests.support.faults import free_port
@@ -335,7 +335,7 @@ async def test_bad_input_is_a_clear_page_never_a_500(
 
 
 def test_a_store_it_cannot_inspect_or_a_bad_limit_is_refused_at_once() -> None:
-    from idempotency_mw.exceptions import ConfigurationError
+    from idempotency_mw.values.exceptions import ConfigurationError
 
     class Opaque(MemoryStore):
         find_record = None  # type: ignore[assignment]
@@ -431,7 +431,15 @@ def served(tmp_path: Path) -> Iterator[Any]:
     def serve(*args: str) -> str:
         port = free_port()
         process = subprocess.Popen(
-            [sys.executable, "-m", "idempotency_mw.cli", "panel", *args, "--port", str(port)],
+            [
+                sys.executable,
+                "-m",
+                "idempotency_mw.operator.cli",
+                "panel",
+                *args,
+                "--port",
+                str(port),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )

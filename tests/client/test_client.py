@@ -38,8 +38,8 @@ from idempotency_mw.client import (
     classify,
     retry_after,
 )
-from idempotency_mw.exceptions import StoreError
-from idempotency_mw.records import Claim
+from idempotency_mw.values.exceptions import StoreError
+from idempotency_mw.values.records import Claim
 from tests.support.client_support import (
     BASE_URL,
     NO_JITTER,

@@ -26,7 +26,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import ConfigurationError, IdempotencyMiddleware, SchemaError, SQLStore
-from idempotency_mw.cli import main as cli
 from idempotency_mw.client import (
     IdempotentClient,
     Journal,
@@ -43,6 +42,7 @@ from idempotency_mw.client import (
 from idempotency_mw.client import open_journal as journal_at
 from idempotency_mw.client.journals import needing_attention
 from idempotency_mw.client.protocol import key_digest
+from idempotency_mw.operator.cli import main as cli
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import metadata
 from tests.conftest import (

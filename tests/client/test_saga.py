@@ -24,7 +24,6 @@ from example_app.app import create_app
 from example_app.demo import serve
 from example_app.saga_demo import LARGE_CENTS, SMALL_CENTS, Order, order_saga
 from idempotency_mw import ConfigurationError
-from idempotency_mw.cli import main as cli
 from idempotency_mw.client import (
     AsyncAction,
     AsyncStepClient,
@@ -42,6 +41,7 @@ from idempotency_mw.client import (
     SyncSaga,
     SyncStepClient,
 )
+from idempotency_mw.operator.cli import main as cli
 from tests.support.client_support import Crash, FakeTime, problem
 
 POLICY = RetryPolicy(max_attempts=3, backoff_base=1.0, backoff_cap=2.0, deadline=10.0)

@@ -12,8 +12,8 @@ import anyio.lowlevel
 import pytest
 
 from idempotency_mw import Claim, StoredResponse
-from idempotency_mw.records import ClaimOutcome
 from idempotency_mw.testing import ConformanceResult, MemoryStore, conformance
+from idempotency_mw.values.records import ClaimOutcome
 
 pytestmark = pytest.mark.anyio
 

@@ -12,10 +12,10 @@ from typing import Any, cast
 import pytest
 
 from idempotency_mw import ClaimOutcome, Store, StoredResponse
-from idempotency_mw.admin import release_record
-from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.records import RecordStatus, RecordView
+from idempotency_mw.operator.admin import release_record
 from idempotency_mw.stores.base import Inspectable
+from idempotency_mw.values.exceptions import ConfigurationError
+from idempotency_mw.values.records import RecordStatus, RecordView
 from tests.conftest import STORE_PATHS, built_store
 
 pytestmark = pytest.mark.anyio

@@ -11,9 +11,9 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw import ClaimOutcome, SQLStore, Store, StoredResponse
-from idempotency_mw.records import KeyState
 from idempotency_mw.stores.base import KeyLookup
 from idempotency_mw.stores.sql import async_url
+from idempotency_mw.values.records import KeyState
 from tests.conftest import DATABASES, built_store
 
 pytestmark = pytest.mark.anyio

@@ -19,7 +19,7 @@ from idempotency_mw import (
     Store,
     downstream_key,
 )
-from idempotency_mw.records import KeyState
+from idempotency_mw.values.records import KeyState
 
 pytestmark = pytest.mark.anyio
 

@@ -1,5 +1,5 @@
-"""The settings are described once (:mod:`idempotency_mw.settings`): every entry takes them by
-name and validates them with the same check, and refuses a name that is not one of its
+"""The settings are described once (:mod:`idempotency_mw.values.settings`): every entry takes
+them by name and validates them with the same check, and refuses a name that is not one of its
 settings."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from idempotency_mw import (
     install,
 )
 from idempotency_mw.mcp import IdempotentTools
-from idempotency_mw.settings import (
+from idempotency_mw.testing import MemoryStore
+from idempotency_mw.values.settings import (
     CALL_SETTINGS,
     Settings,
     combined,
@@ -28,7 +29,6 @@ from idempotency_mw.settings import (
     same_names,
     settings_of,
 )
-from idempotency_mw.testing import MemoryStore
 
 Entry = Callable[[dict[str, Any]], object]
 

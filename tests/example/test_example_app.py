@@ -9,7 +9,7 @@ import pytest
 from asgi_lifespan import LifespanManager
 
 from example_app.app import create_app
-from idempotency_mw.metrics import Event, EventKind
+from idempotency_mw.values.metrics import Event, EventKind
 
 
 @pytest.mark.anyio

@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 
 from idempotency_mw import IdempotencyMiddleware, Store, idempotent
-from idempotency_mw.retention import FIRST_SENT_SKEW
+from idempotency_mw.http.retention import FIRST_SENT_SKEW
 from tests.support.apps import Gate, client_for
 
 pytestmark = pytest.mark.anyio

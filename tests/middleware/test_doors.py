@@ -24,7 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idempotency_mw import IdempotencyMiddleware, Store, idempotent, install
-from idempotency_mw.door import RouteDoor
+from idempotency_mw.http.door import RouteDoor
 from tests.support.apps import client_for
 
 pytestmark = pytest.mark.anyio

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from idempotency_mw import SQLStore, Store
-from idempotency_mw.metrics import Event, EventKind
+from idempotency_mw.values.metrics import Event, EventKind
 from tests.support.apps import client_for, make_app
 
 pytestmark = pytest.mark.anyio

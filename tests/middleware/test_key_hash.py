@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from idempotency_mw.metrics import key_hash
+from idempotency_mw.values.metrics import key_hash
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
 from idempotency_mw import ConfigurationError, IdempotencyMiddleware, SQLStore, idempotent, install
-from idempotency_mw.lifespan import store_lifespan
+from idempotency_mw.http.lifespan import store_lifespan
 from idempotency_mw.testing import MemoryStore
 from tests.conftest import fresh_sql_store
 from tests.support.apps import PausableStore, client_for, make_app

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry
 
-from idempotency_mw.metrics import (
+from idempotency_mw.values.metrics import (
     Event,
     EventKind,
     OpenTelemetryHook,

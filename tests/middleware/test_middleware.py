@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from starlette.types import Message
 
 from idempotency_mw import ConfigurationError, IdempotencyMiddleware, SchemaError, SQLStore, Store
-from idempotency_mw._asgi import parse_key
-from idempotency_mw.fingerprint import request_fingerprint
+from idempotency_mw.engine.fingerprint import request_fingerprint
+from idempotency_mw.http._asgi import parse_key
 from idempotency_mw.testing import MemoryStore
 from tests.support.apps import client_for, http_scope, make_app
 from tests.support.client_support import FakeTime

@@ -18,7 +18,7 @@ import pytest
 from fastapi import FastAPI, Form, UploadFile
 
 from idempotency_mw import IdempotencyMiddleware
-from idempotency_mw.fingerprint import form_parts, multipart_boundary, request_fingerprint
+from idempotency_mw.engine.fingerprint import form_parts, multipart_boundary, request_fingerprint
 from idempotency_mw.testing import MemoryStore
 from tests.support.apps import client_for
 from tests.support.faults import serve

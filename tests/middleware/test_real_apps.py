@@ -16,8 +16,8 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, select
 
-from idempotency_mw.metrics import key_hash
 from idempotency_mw.stores.sql.schema import records
+from idempotency_mw.values.metrics import key_hash
 from tests.conftest import POSTGRESQL_URL, fresh_sql_store
 from tests.support.faults import ServerProcess, free_port, upstream_port
 from tests.support.real_apps import fenced_rows

@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from idempotency_mw import IdempotencyMiddleware
-from idempotency_mw.problems import RETRYABLE, Problem, send_problem
 from idempotency_mw.testing import MemoryStore
+from idempotency_mw.values.problems import RETRYABLE, Problem, send_problem
 from tests.support.apps import Gate, PausableStore, client_for
 from tests.support.faults import serve
 from tests.support.sdk_server import Answers, Before, file_service

@@ -26,7 +26,7 @@ from sqlalchemy import URL, Connection, create_engine, inspect, make_url, text
 from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from idempotency_mw.cli import main
+from idempotency_mw.operator.cli import main
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.migrate import alembic_config, upgrade
 from idempotency_mw.stores.sql.schema import SCHEMA_REVISION, TABLE_NAME, metadata, records
@@ -291,7 +291,7 @@ def test_cli_migrates_the_proof_table_on_its_own_branch(
     """``migrate --proofs`` makes the proof table as its model says, beside (never inside) the
     idempotency table's own history, and ``downgrade --proofs`` removes it alone."""
     from idempotency_mw.alembic import PROOF_VERSION_TABLE
-    from idempotency_mw.proofs import PROOF_TABLE, proof_metadata
+    from idempotency_mw.engine.proofs import PROOF_TABLE, proof_metadata
 
     url = fresh_database
 
@@ -623,7 +623,7 @@ def test_cli_from_the_wheel_migrates(built_wheel: Path, tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import sys, idempotency_mw.cli as cli; print(cli.__file__); "
+            "import sys, idempotency_mw.operator.cli as cli; print(cli.__file__); "
             "sys.exit(cli.main(sys.argv[1:]))",
             "migrate",
             "--url",

@@ -13,7 +13,7 @@
  * is no fault: the store must recognise its own token.
  *
  * Three configurations: -DFENCED, the handler commits its effect with fence() and its proof
- * is a row of the app's database (proofs.py: a RedisStore, a MemoryStore, a store elsewhere);
+ * is a row of the app's database (engine/proofs.py: a RedisStore, a MemoryStore, a store elsewhere);
  * -DSAME_DB, fenced too, with a SQLStore on the app's own database, whose record is the proof
  * (FENCE, REFENCE, RELEASE_COMMITTED, PROBATION) and which forgets nothing; neither: the effect is
  * unfenced, and each double run is labelled with the window that let it happen.
@@ -21,8 +21,8 @@
  * Each step names the code it stands for. The store's steps follow MemoryStore
  * (idempotency_mw/testing.py), the Lua scripts (stores/redis/lua/*.lua) and the SQL
  * statements (stores/sql/claims.py, statements.py): one atomic step each. The engine's steps
- * follow engine.py (Call, Hold), lease.py (LeaseKeeper) and exchange.py (_record_or_release);
- * the proof follows fence.py and proofs.py (write_proof).
+ * follow engine/claim.py (Call, Hold), engine/lease.py (LeaseKeeper) and http/exchange.py;
+ * the proof follows engine/fence.py and engine/proofs.py (write_proof).
  *
  * Properties, each an assertion on a bit named after it (pan names the one that fails):
  *   a_one_fenced_effect   at most one committed fenced effect per key within its retention
@@ -89,7 +89,7 @@
 #define UNKNOWN 2
 
 /* An answer is the token of the run that gave it, or REFUSED: 409 committed-without-response,
-   recorded when fence() met an earlier run's proof (exchange.py, EffectCommitted). */
+   recorded when fence() met an earlier run's proof (http/exchange.py, EffectCommitted). */
 #define REFUSED (TOKENS + 1)
 /* The answer when fence() found the key taken over (LeaseLost): 409 in progress, never kept. */
 #define TAKEN_OVER (TOKENS + 2)

@@ -81,13 +81,15 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_imports_the_operators_module_but_the_cli_and_the_panel() -> None:
     importers = {
-        name for name, imported in import_graph().items() if "idempotency_mw.admin" in imported
+        name
+        for name, imported in import_graph().items()
+        if "idempotency_mw.operator.admin" in imported
     }
-    assert importers <= {"idempotency_mw.cli", "idempotency_mw.panel"}
+    assert importers <= {"idempotency_mw.operator.cli", "idempotency_mw.operator.panel"}
 
 
 def test_the_records_depend_on_nothing_of_the_package_but_its_exceptions() -> None:
-    assert import_graph()["idempotency_mw.records"] <= {"idempotency_mw.exceptions"}
+    assert import_graph()["idempotency_mw.values.records"] <= {"idempotency_mw.values.exceptions"}
 
 
 def store_package(name: str) -> str:

@@ -28,9 +28,10 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from idempotency_mw import RedisStore, SQLStore, Store, StoredResponse, StoreError, metrics
+from idempotency_mw import RedisStore, SQLStore, Store, StoredResponse, StoreError
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import records
+from idempotency_mw.values import metrics
 from tests.conftest import (
     MARIADB_URL,
     POSTGRESQL_URL,

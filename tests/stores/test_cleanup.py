@@ -14,12 +14,12 @@ from sqlalchemy import event, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw import ClaimOutcome, RedisStore, SQLStore, StoredResponse
-from idempotency_mw.cleanup import PurgeSchedule, background_purge, purge
-from idempotency_mw.cli import main
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.engine.cleanup import PurgeSchedule, background_purge, purge
+from idempotency_mw.operator.cli import main
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.schema import records
 from idempotency_mw.testing import MemoryStore
+from idempotency_mw.values.exceptions import ConfigurationError
 from tests.conftest import REDIS_URL, fresh_sql_store, require_server
 from tests.support.apps import make_app
 

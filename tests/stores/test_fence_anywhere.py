@@ -23,11 +23,11 @@ from idempotency_mw import (
     Store,
     fence,
 )
-from idempotency_mw.cleanup import purge
-from idempotency_mw.metrics import Event
-from idempotency_mw.proofs import ProofTable, proof_metadata, proofs
+from idempotency_mw.engine.cleanup import purge
+from idempotency_mw.engine.proofs import ProofTable, proof_metadata, proofs
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
+from idempotency_mw.values.metrics import Event
 from tests.conftest import POSTGRESQL_URL, fresh_sql_store, require_server
 from tests.support.apps import PausableStore, client_for, taken_over
 from tests.support.faults import RedisServer
@@ -243,7 +243,7 @@ async def test_proofs_expire_with_the_key_and_the_purge_deletes_them(
 def test_the_cli_purges_expired_proofs(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     from sqlalchemy import create_engine, insert
 
-    from idempotency_mw.cli import main
+    from idempotency_mw.operator.cli import main
 
     url = f"sqlite:///{tmp_path / 'app.db'}"
     engine = create_engine(url)

@@ -24,9 +24,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Span
 
 from idempotency_mw import ClaimOutcome, ConfigurationError, RedisStore, StoredResponse, StoreError
-from idempotency_mw.cli import main
-from idempotency_mw.metrics import key_hash
+from idempotency_mw.operator.cli import main
 from idempotency_mw.stores.redis import scripts
+from idempotency_mw.values.metrics import key_hash
 from tests.conftest import REDIS_URL, redis_prefix, require_redis_server, require_server
 from tests.support.apps import client_for, make_app
 from tests.support.redis_servers import RedisSentinel, RedisTLS

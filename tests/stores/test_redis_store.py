@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio
 
-from idempotency_mw.exceptions import ConfigurationError, StoreError
-from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.stores.base import Store
 from idempotency_mw.stores.redis import RedisStore
+from idempotency_mw.values.exceptions import ConfigurationError, StoreError
+from idempotency_mw.values.records import Claim, ClaimOutcome, StoredResponse
 from tests.conftest import REDIS_URL, redis_prefix, require_server
 from tests.support import claimers
 from tests.support.claimers import outcomes_from_processes

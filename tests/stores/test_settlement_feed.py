@@ -18,11 +18,11 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw import RedisStore, SQLStore, Store, StoredResponse
-from idempotency_mw.exceptions import SettlementFeedUnsupported
-from idempotency_mw.metrics import key_hash
 from idempotency_mw.stores.base import SettlementFeed
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
+from idempotency_mw.values.exceptions import SettlementFeedUnsupported
+from idempotency_mw.values.metrics import key_hash
 from tests.conftest import POSTGRESQL_URL, built_store, fresh_sql_store, require_server
 from tests.reliability.test_workers import running_workers
 from tests.support.apps import client_for, make_app

@@ -21,12 +21,12 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw import ConfigurationError, SQLStore, Store, StoreError
-from idempotency_mw.records import ClaimOutcome, StoredResponse
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.claims import SQLiteClaim
 from idempotency_mw.stores.sql.database import Database, engine_for
 from idempotency_mw.stores.sql.sqlite import Synchronous
 from idempotency_mw.stores.sql.statements import CLAIM_READ
+from idempotency_mw.values.records import ClaimOutcome, StoredResponse
 from tests.conftest import POSTGRESQL_URL, built_store, fresh_sql_store
 
 pytestmark = pytest.mark.anyio

@@ -15,8 +15,9 @@ from fastapi import FastAPI
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from idempotency_mw import RedisStore, SQLStore, Store, StoreError, cli, install
-from idempotency_mw.panel import panel
+from idempotency_mw import RedisStore, SQLStore, Store, StoreError, install
+from idempotency_mw.operator import cli
+from idempotency_mw.operator.panel import panel
 from tests.support.apps import client_for
 from tests.support.ports import free_ports
 
@@ -31,7 +32,7 @@ def python(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_importing_the_package_loads_no_backend_library() -> None:
     result = python(
-        "import sys, idempotency_mw, idempotency_mw.exceptions, idempotency_mw.testing\n"
+        "import sys, idempotency_mw, idempotency_mw.values.exceptions, idempotency_mw.testing\n"
         "loaded = {m.partition('.')[0] for m in sys.modules}\n"
         "print(sorted(loaded & {'sqlalchemy', 'alembic', 'redis', 'asyncpg', 'asyncmy'}))"
     )

@@ -14,8 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from idempotency_mw import install
-from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.testing import MemoryStore
+from idempotency_mw.values.metrics import PrometheusMetrics
 
 
 def create_app() -> FastAPI:

@@ -47,8 +47,8 @@ from idempotency_mw import (
     Store,
     fence,
     idempotent,
-    waiting,
 )
+from idempotency_mw.engine import waiting
 
 KEY_HEADER = "idempotency-key"
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 from idempotency_mw.client.values import JournalEntry, OperationState
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.values.exceptions import ConfigurationError
 
 
 @runtime_checkable
@@ -67,8 +67,8 @@ def resolve(journal: Journal, key: str, state: OperationState, note: str) -> Jou
     journal keeps it); the entry as saved.
 
     Under the operation's lease, so that a caller sending it at that moment is not overwritten;
-    raises :class:`~idempotency_mw.exceptions.ConfigurationError` when ``state`` is not settled,
-    the entry is missing, or another caller holds it.
+    raises :class:`~idempotency_mw.values.exceptions.ConfigurationError` when ``state`` is not
+    settled, the entry is missing, or another caller holds it.
     """
     if not state.settled:
         raise ConfigurationError(f"an operation is resolved as confirmed or failed, not {state}")

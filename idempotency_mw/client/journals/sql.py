@@ -39,7 +39,7 @@ from idempotency_mw._urls import shown_url
 from idempotency_mw.client._closing import ClosedOnExit
 from idempotency_mw.client.journals.base import FIELDS, MUTABLE, from_row, to_row
 from idempotency_mw.client.values import JournalEntry, OperationState
-from idempotency_mw.exceptions import ConfigurationError, SchemaError, install_extra
+from idempotency_mw.values.exceptions import ConfigurationError, SchemaError, install_extra
 
 # The client's journal table: the caller's, created on first use.
 journal_metadata = MetaData()

@@ -11,8 +11,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.records import RecordStatus, RecordView, StoreStats, record_version, utc_ms
+from idempotency_mw.values.exceptions import ConfigurationError
+from idempotency_mw.values.records import (
+    RecordStatus,
+    RecordView,
+    StoreStats,
+    record_version,
+    utc_ms,
+)
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript

@@ -21,9 +21,13 @@ from redis.typing import EncodableT
 
 from idempotency_mw._redis_client import AsyncClient, binary_client
 from idempotency_mw._urls import shown_url
-from idempotency_mw.exceptions import ConfigurationError, store_error
-from idempotency_mw.metrics import key_digest, key_hash_of
-from idempotency_mw.records import (
+from idempotency_mw.stores.base import ClaimsWithToken
+from idempotency_mw.stores.feed import CHECK_AFTER, Feeds
+from idempotency_mw.stores.redis import scripts
+from idempotency_mw.stores.redis.admin import RedisInspection
+from idempotency_mw.values.exceptions import ConfigurationError, store_error
+from idempotency_mw.values.metrics import key_digest, key_hash_of
+from idempotency_mw.values.records import (
     Claim,
     ClaimOutcome,
     RecordState,
@@ -33,10 +37,6 @@ from idempotency_mw.records import (
     record_state,
     unpack_headers,
 )
-from idempotency_mw.stores.base import ClaimsWithToken
-from idempotency_mw.stores.feed import CHECK_AFTER, Feeds
-from idempotency_mw.stores.redis import scripts
-from idempotency_mw.stores.redis.admin import RedisInspection
 
 T = TypeVar("T")
 

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import bindparam, delete, func, select, text
 from sqlalchemy.types import Integer
 
-from idempotency_mw.records import (
+from idempotency_mw.stores.sql.schema import TABLE_NAME, records, stored_name
+from idempotency_mw.stores.sql.statements import EXPIRED, KEY_IS, NOW
+from idempotency_mw.values.records import (
     RecordStatus,
     RecordView,
     StoreStats,
@@ -18,8 +20,6 @@ from idempotency_mw.records import (
     record_version,
     utc_ms,
 )
-from idempotency_mw.stores.sql.schema import TABLE_NAME, records, stored_name
-from idempotency_mw.stores.sql.statements import EXPIRED, KEY_IS, NOW
 
 if TYPE_CHECKING:
     from idempotency_mw.stores.sql.database import Database

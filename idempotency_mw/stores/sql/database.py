@@ -25,9 +25,9 @@ from sqlalchemy.sql.expression import Executable
 
 from idempotency_mw._backoff import Backoff
 from idempotency_mw._urls import shown_url
-from idempotency_mw.exceptions import ConfigurationError, install_extra
 from idempotency_mw.stores.sql.direct import Direct, Params, Rows
 from idempotency_mw.stores.sql.sqlite import Synchronous, check_options, prepare_connections
+from idempotency_mw.values.exceptions import ConfigurationError, install_extra
 
 T = TypeVar("T")
 

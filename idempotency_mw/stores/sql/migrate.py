@@ -14,8 +14,8 @@ from sqlalchemy import Connection
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from idempotency_mw.alembic import PROOF_VERSION_TABLE
 from idempotency_mw.stores.sql.database import async_url, asyncpg_settings
+from idempotency_mw.stores.sql.schema import PROOF_VERSION_TABLE
 from idempotency_mw.stores.sql.store import SQLStore
 
 #: The advisory lock migrations hold (PostgreSQL's is a number, MariaDB's a name).
@@ -94,8 +94,9 @@ async def upgrade(url: str | URL, revision: str = "head", *, proofs: bool = Fals
 
 async def check(url: str | URL) -> None:
     """What :meth:`SQLStore.startup` checks, on its own: raise
-    :class:`~idempotency_mw.exceptions.SchemaError` unless ``url``'s database has the table as
-    this version expects (:class:`~idempotency_mw.exceptions.StoreError` if it cannot tell)."""
+    :class:`~idempotency_mw.values.exceptions.SchemaError` unless ``url``'s database has the
+    table as this version expects (:class:`~idempotency_mw.values.exceptions.StoreError` if it
+    cannot tell)."""
     store = SQLStore(url)
     try:
         await store.startup()

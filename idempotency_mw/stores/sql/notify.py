@@ -14,9 +14,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from idempotency_mw.exceptions import SettlementFeedUnsupported
 from idempotency_mw.stores.feed import CHECK_AFTER
 from idempotency_mw.stores.sql.statements import SETTLED_CHANNEL
+from idempotency_mw.values.exceptions import SettlementFeedUnsupported
 
 #: How the listening connection shows in ``pg_stat_activity``.
 APPLICATION_NAME = "idempotency-mw settlements"

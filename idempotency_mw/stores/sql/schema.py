@@ -18,8 +18,12 @@ from sqlalchemy import (
 )
 
 from idempotency_mw._sqltypes import ExactString, LongBinary
-from idempotency_mw.exceptions import SchemaError
+from idempotency_mw.values.exceptions import SchemaError
 
+#: Where ``idempotency-mw migrate`` records its revision (kept apart from ``alembic_version``).
+VERSION_TABLE = "idempotency_mw_alembic_version"
+#: Where ``idempotency-mw migrate --proofs`` records the proof table's revision.
+PROOF_VERSION_TABLE = "idempotency_mw_proofs_alembic_version"
 TABLE_NAME = "idempotency_records"
 #: The Alembic revision that creates the table as this module describes it.
 SCHEMA_REVISION = "0001_idempotency_records"

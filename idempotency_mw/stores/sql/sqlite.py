@@ -13,7 +13,7 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idempotency_mw._backoff import Backoff
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.values.exceptions import ConfigurationError
 
 #: SQLite's sync level for the store's connections.
 Synchronous = Literal["FULL", "NORMAL"]

@@ -36,8 +36,8 @@ from sqlalchemy.sql.expression import (
 )
 from sqlalchemy.types import BigInteger, Integer
 
-from idempotency_mw.records import RecordStatus
 from idempotency_mw.stores.sql.schema import records
+from idempotency_mw.values.records import RecordStatus
 
 
 class _NowMs(FunctionElement[int]):

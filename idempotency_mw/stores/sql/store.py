@@ -5,31 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.expression import Executable
 
 from idempotency_mw._urls import shown_url
-from idempotency_mw.exceptions import (
-    ConfigurationError,
-    SettlementFeedUnsupported,
-    StoreError,
-    store_error,
-)
-from idempotency_mw.metrics import key_hash
-from idempotency_mw.records import (
-    Claim,
-    ClaimOutcome,
-    RecordState,
-    RecordStatus,
-    StoredResponse,
-    pack_headers,
-    record_state,
-    unpack_headers,
-)
-from idempotency_mw.stores.base import ClaimsWithToken
+from idempotency_mw.stores.base import ClaimFields, ClaimsWithToken
 from idempotency_mw.stores.feed import Feeds
 from idempotency_mw.stores.sql import notify
 from idempotency_mw.stores.sql.admin import SQLInspection
@@ -46,9 +29,23 @@ from idempotency_mw.stores.sql.statements import (
     SETTLING,
     SILENT,
 )
-
-if TYPE_CHECKING:
-    from idempotency_mw.fence import CurrentClaim
+from idempotency_mw.values.exceptions import (
+    ConfigurationError,
+    SettlementFeedUnsupported,
+    StoreError,
+    store_error,
+)
+from idempotency_mw.values.metrics import key_hash
+from idempotency_mw.values.records import (
+    Claim,
+    ClaimOutcome,
+    RecordState,
+    RecordStatus,
+    StoredResponse,
+    pack_headers,
+    record_state,
+    unpack_headers,
+)
 
 T = TypeVar("T")
 #: The share of the operation timeout a statement may spend waiting for a lock (SQLite), or
@@ -260,7 +257,7 @@ class SQLStore(SQLInspection, ClaimsWithToken):
 
         PostgreSQL through asyncpg only: one connection that the engine opens, taken out of its
         pool, LISTENs, opened here and again after a loss. Raises
-        :class:`~idempotency_mw.exceptions.SettlementFeedUnsupported` on SQLite and
+        :class:`~idempotency_mw.values.exceptions.SettlementFeedUnsupported` on SQLite and
         MariaDB/MySQL, and for an engine on another PostgreSQL driver.
         """
         connect = notify.connector(self._database.engine, repr(self))
@@ -282,7 +279,7 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         changes one row while the token still holds the claim, none otherwise."""
         return FENCE, {**_record_of(scope, key), "p_token": token, "p_ttl_ms": int(ttl * 1000)}
 
-    def refence_statement(self, claim: CurrentClaim) -> tuple[Executable, dict[str, Any]]:
+    def refence_statement(self, claim: ClaimFields) -> tuple[Executable, dict[str, Any]]:
         """The statement to run in the same transaction when :meth:`fence_statement` changed
         nothing: it writes the claim's record again, its effect committed, if no record of the
         key is there (the claim was lost in a crash before its flush, or purged), and changes
@@ -311,10 +308,10 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         return await self._call("purge", lambda ends: self._change(self._purge, params, ends))
 
     async def startup(self) -> None:
-        """Check the table (:class:`~idempotency_mw.exceptions.SchemaError` when it is missing
-        or old); a setting of the URL the server refuses (an unknown or invalid PostgreSQL
-        parameter) raises :class:`~idempotency_mw.exceptions.ConfigurationError`: it would fail
-        every connection, however long the service waits."""
+        """Check the table (:class:`~idempotency_mw.values.exceptions.SchemaError` when it is
+        missing or old); a setting of the URL the server refuses (an unknown or invalid
+        PostgreSQL parameter) raises :class:`~idempotency_mw.values.exceptions.ConfigurationError`:
+        it would fail every connection, however long the service waits."""
         try:
             await self._call(
                 "startup check", lambda ends: self._database.run_sync(check_schema, deadline=ends)

@@ -19,9 +19,9 @@ from typing import Any, TypeVar, Unpack, cast
 from starlette.routing import BaseRoute, Match, Router, WebSocketRoute
 from starlette.types import Scope
 
-from idempotency_mw.door import doors_of, endpoint_door
-from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.settings import Overrides, RouteOptions, combined, overrides
+from idempotency_mw.http.door import doors_of, endpoint_door
+from idempotency_mw.values.exceptions import ConfigurationError
+from idempotency_mw.values.settings import Overrides, RouteOptions, combined, overrides
 
 _POLICY_ATTRIBUTE = "__idempotency_policy__"
 #: Resolutions kept per middleware; paths with ids in them would otherwise grow it without end.
@@ -43,7 +43,7 @@ def idempotent(
     string, is the caller's scope of this route's keys; its own errors (a 401) are the app's
     answers, given before any key is claimed.
 
-    The endpoint is wrapped in its door (see :mod:`idempotency_mw.door`), before the route is
+    The endpoint is wrapped in its door (see :mod:`idempotency_mw.http.door`), before the route is
     made of it: a request refused before the endpoint runs (FastAPI's validation, a
     dependency's ``HTTPException``) releases its key instead of recording the answer.
     """
@@ -75,7 +75,7 @@ class Resolved:
     template: str
     #: The settings the route's sources set (``None``: the middleware's defaults).
     policy: Overrides | None
-    #: Which door the route has (see :func:`~idempotency_mw.door.doors_of`; ``None`` where the
+    #: Which door the route has (see :func:`~idempotency_mw.http.door.doors_of`; ``None`` where the
     #: app's routes cannot be read).
     doors: str | None = None
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 
-from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.fence import CurrentClaim, current_claim
+from idempotency_mw.engine.fence import CurrentClaim, current_claim
+from idempotency_mw.values.exceptions import ConfigurationError
 
 #: Separates these digests from any other sha256 of the same parts.
 _DOMAIN = b"idempotency-mw downstream key\0"

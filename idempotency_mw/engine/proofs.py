@@ -30,10 +30,10 @@ from sqlalchemy.sql.expression import Executable
 
 from idempotency_mw._sqltypes import ExactString
 from idempotency_mw._urls import shown_url
-from idempotency_mw.exceptions import ConfigurationError, describe
-from idempotency_mw.metrics import key_hash
 from idempotency_mw.stores.sql.schema import metadata, stored_name
 from idempotency_mw.stores.sql.statements import NOW, purges_of
+from idempotency_mw.values.exceptions import ConfigurationError, describe
+from idempotency_mw.values.metrics import key_hash
 
 PROOF_TABLE = "idempotency_proofs"
 #: The Alembic branch of the proof table (its versions: ``idempotency_mw:migrations/proofs``).
@@ -157,7 +157,7 @@ def _missing_table(
         f"known to be on that database (a SQLStore whose URL names the same host, port and "
         f"database is), and could not write it ({describe(exc)}): create it with "
         f"`idempotency-mw migrate --proofs --url <that url>`, with "
-        "`idempotency_mw.proofs.proof_metadata.create_all`, or in your own Alembic project "
+        "`idempotency_mw.engine.proofs.proof_metadata.create_all`, or in your own Alembic project "
         "(the docs' Migrations page)"
     )
 

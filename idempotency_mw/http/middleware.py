@@ -1,5 +1,5 @@
 """The pure ASGI middleware: pass through what is not ours, read the key and the route's
-policy, then hand the request to its :class:`~idempotency_mw.exchange.Exchange`."""
+policy, then hand the request to its :class:`~idempotency_mw.http.exchange.Exchange`."""
 
 from __future__ import annotations
 
@@ -11,33 +11,32 @@ from typing import Any, Unpack
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from idempotency_mw._asgi import invalid_key_detail, parse_key, request_headers
-from idempotency_mw.cleanup import PurgeSchedule
-from idempotency_mw.door import give_door
-from idempotency_mw.engine import ClaimEngine
-from idempotency_mw.exchange import Exchange
-from idempotency_mw.fence import UNKEYED, current_claim
-from idempotency_mw.lifespan import run_lifespan, store_lifespan
-from idempotency_mw.lookup import answer_lookup, looked_up_key
-from idempotency_mw.metrics import EventHook
-from idempotency_mw.openapi import document_openapi
-from idempotency_mw.options import (
+from idempotency_mw.engine.claim import ClaimEngine
+from idempotency_mw.engine.cleanup import PurgeSchedule
+from idempotency_mw.engine.fence import UNKEYED, current_claim
+from idempotency_mw.http._asgi import invalid_key_detail, parse_key, request_headers
+from idempotency_mw.http.door import give_door
+from idempotency_mw.http.exchange import Exchange
+from idempotency_mw.http.lifespan import run_lifespan, store_lifespan
+from idempotency_mw.http.lookup import answer_lookup, looked_up_key
+from idempotency_mw.http.openapi import document_openapi
+from idempotency_mw.http.options import (
     DEFAULT_METHODS,
     DEFAULT_UNRECORDED_HEADERS,
     CallerScope,
-    LeaseLostAction,
     build_options,
 )
-from idempotency_mw.policy import RouteTable, app_routes, routes_within
-from idempotency_mw.problems import Problem, send_problem
-from idempotency_mw.retention import (
+from idempotency_mw.http.policy import RouteTable, app_routes, routes_within
+from idempotency_mw.http.retention import (
     FIRST_SENT_HEADER,
     REQUEST_ID_HEADER,
     KeyAnswers,
     parse_http_date,
 )
-from idempotency_mw.settings import RouteOptions
 from idempotency_mw.stores.base import Store
+from idempotency_mw.values.metrics import EventHook
+from idempotency_mw.values.problems import Problem, send_problem
+from idempotency_mw.values.settings import LeaseLostAction, RouteOptions
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -49,7 +48,7 @@ class IdempotencyMiddleware:
     and the same request gets the recorded response replayed; a repeat with a different request
     gets 409 (or 422); a repeat while the first still runs gets 409 with ``Retry-After``.
     Every answer below 500 of an endpoint that began is recorded; a route's door tells where
-    it begins (see :mod:`idempotency_mw.door`: ``@idempotent`` gives an endpoint its own,
+    it begins (see :mod:`idempotency_mw.http.door`: ``@idempotent`` gives an endpoint its own,
     after FastAPI's validation and the route's dependencies; the lifespan's start-up and
     :func:`install` give the others theirs). The route settings given here by name
     (:class:`~idempotency_mw.RouteOptions`: ``ttl``, ``lease``, ``required``, ``wait``,
@@ -59,7 +58,7 @@ class IdempotencyMiddleware:
     method and path. During the app's lifespan the store is checked, expired records are
     purged on the ``purge`` schedule (``None`` turns that off, e.g. when a cron job runs
     ``idempotency-mw purge``) and the store is closed at shutdown; ``lifespan=False`` leaves
-    all of that to :func:`~idempotency_mw.lifespan.store_lifespan` in the app's own lifespan.
+    all of that to :func:`~idempotency_mw.http.lifespan.store_lifespan` in the app's own lifespan.
     """
 
     def __init__(
@@ -230,7 +229,7 @@ def install(app: Any, *, store: Store, **options: Any) -> None:
     that two things the middleware does at start-up are done at once, before the first request
     or the lifespan (a schema-export script, a ``TestClient`` used without ``with``): the
     OpenAPI schema shows the key header and the problem answers, and the routes the app has
-    now get their doors (:mod:`idempotency_mw.door`).
+    now get their doors (:mod:`idempotency_mw.http.door`).
     """
     # The options validated as the middleware will take them, defaults from its signature.
     given = inspect.signature(IdempotencyMiddleware).bind(app, store=store, **options)
@@ -243,6 +242,6 @@ def install(app: Any, *, store: Store, **options: Any) -> None:
 
 def _give_doors(app: object) -> None:
     """Give each route of ``app`` that has no door the route's door (see
-    :mod:`idempotency_mw.door`): once, at start-up, never while requests run."""
+    :mod:`idempotency_mw.http.door`): once, at start-up, never while requests run."""
     for route in routes_within(app):
         give_door(route)

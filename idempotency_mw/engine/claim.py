@@ -15,14 +15,14 @@ from typing import Any, NamedTuple, TypeVar
 
 import anyio
 
-from idempotency_mw.exceptions import StoreError
-from idempotency_mw.fence import CurrentClaim
-from idempotency_mw.lease import Clock, LeaseKeeper, first_renewal_in
-from idempotency_mw.metrics import Event, EventHook, EventKind, key_hash
-from idempotency_mw.options import LeaseLostAction
-from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse
+from idempotency_mw.engine.fence import CurrentClaim
+from idempotency_mw.engine.lease import Clock, LeaseKeeper, first_renewal_in
+from idempotency_mw.engine.waiting import Settlements
 from idempotency_mw.stores.base import Store, takes_keyword
-from idempotency_mw.waiting import Settlements
+from idempotency_mw.values.exceptions import StoreError
+from idempotency_mw.values.metrics import Event, EventHook, EventKind, key_hash
+from idempotency_mw.values.records import Claim, ClaimOutcome, StoredResponse
+from idempotency_mw.values.settings import LeaseLostAction
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -67,8 +67,8 @@ class LeaseUnproven(Exception):
 class ClaimEngine:
     """One store's claims, shared by every entry that protects calls with it.
 
-    ``on_event`` receives an :class:`~idempotency_mw.metrics.Event` per outcome and store call
-    (guarded by the caller); ``on_lease_lost`` says whether work whose lease could not be
+    ``on_event`` receives an :class:`~idempotency_mw.values.metrics.Event` per outcome and store
+    call (guarded by the caller); ``on_lease_lost`` says whether work whose lease could not be
     proven is stopped (``"cancel"``, unless its answer began or its effect committed) or goes
     on unprotected; ``clock`` is the monotonic clock leases are proven on.
     """

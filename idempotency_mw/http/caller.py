@@ -11,9 +11,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection
 from starlette.types import Scope, Send
 
-from idempotency_mw.fingerprint import credential_digest
-from idempotency_mw.options import Options
-from idempotency_mw.problems import Problem, send_http_problem, send_problem
+from idempotency_mw.engine.fingerprint import credential_digest
+from idempotency_mw.http.options import Options
+from idempotency_mw.values.problems import Problem, send_http_problem, send_problem
 
 logger = logging.getLogger("idempotency_mw")
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import anyio
 
-from idempotency_mw.records import Claim, ClaimOutcome, StoredResponse, new_token
 from idempotency_mw.stores.base import ClaimsWithToken, Inspectable, Store, takes_keyword
+from idempotency_mw.values.records import Claim, ClaimOutcome, StoredResponse, new_token
 
 __all__ = ["CASES", "CaseResult", "CaseStatus", "ConformanceResult", "conformance"]
 

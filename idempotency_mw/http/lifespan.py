@@ -13,9 +13,9 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from idempotency_mw.cleanup import PurgeSchedule, background_purge
-from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError
+from idempotency_mw.engine.cleanup import PurgeSchedule, background_purge
 from idempotency_mw.stores.base import Store
+from idempotency_mw.values.exceptions import ConfigurationError, SchemaError, StoreError
 
 logger = logging.getLogger("idempotency_mw")
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.from_thread
 
-from idempotency_mw.exceptions import ConfigurationError, EffectCommitted, LeaseLost
+from idempotency_mw.values.exceptions import ConfigurationError, EffectCommitted, LeaseLost
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -45,7 +45,7 @@ class CurrentClaim:
     #: effect happened, and its caller must be told so.
     committed_earlier: bool = False
     #: How many client operations of each name this run decided (their keys are derived from
-    #: the sequence: see :func:`~idempotency_mw.downstream.operation_key`).
+    #: the sequence: see :func:`~idempotency_mw.engine.downstream.operation_key`).
     operations: dict[str, int] = field(default_factory=dict)
 
 
@@ -101,7 +101,7 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
     ``session`` is an ``AsyncSession`` or ``AsyncConnection`` in a transaction. On the database
     of the middleware's ``SQLStore`` (or of ``store``) the store's own record is marked; with
     any other store (Redis, ``MemoryStore``, a SQL store elsewhere) a row of the proof table
-    (:mod:`idempotency_mw.proofs`) in the session's database is written instead. If another
+    (:mod:`idempotency_mw.engine.proofs`) in the session's database is written instead. If another
     request took the key over, :class:`~idempotency_mw.LeaseLost` is raised, and
     :class:`~idempotency_mw.EffectCommitted` (a ``LeaseLost``) if an earlier run committed
     its effect: the transaction must roll back, the effect is never committed twice. Once
@@ -131,7 +131,7 @@ async def fence(session: Any, *, store: Store | None = None) -> None:
             changed = (await connection.execute(statement, params)).rowcount
         _check_owned(changed)
     else:
-        from idempotency_mw.proofs import write_proof
+        from idempotency_mw.engine.proofs import write_proof
 
         _check_proven(
             claim,
@@ -167,7 +167,7 @@ def fence_sync(session: Any, *, store: Store | None = None) -> None:
             changed = connection.execute(statement, params).rowcount
         _check_owned(changed)
     else:
-        from idempotency_mw.proofs import write_proof_sync
+        from idempotency_mw.engine.proofs import write_proof_sync
 
         _check_proven(
             claim,

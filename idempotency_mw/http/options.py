@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from starlette.requests import HTTPConnection
 
-from idempotency_mw._asgi import REPLAYED_HEADER
-from idempotency_mw.cleanup import PurgeSchedule
-from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.metrics import EventHook, guard
-from idempotency_mw.settings import RouteOptions, Settings, settings_of
+from idempotency_mw.engine.cleanup import PurgeSchedule
+from idempotency_mw.http._asgi import REPLAYED_HEADER
 from idempotency_mw.stores.base import KeyLookup, Store, takes_keyword
+from idempotency_mw.values.exceptions import ConfigurationError
+from idempotency_mw.values.metrics import EventHook, guard
+from idempotency_mw.values.settings import LeaseLostAction, RouteOptions, Settings, settings_of
 
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: Headers left out of a record: credentials a handler may echo, challenges, hop-by-hop headers.
@@ -38,7 +37,6 @@ DEFAULT_UNRECORDED_HEADERS = frozenset(
 _ALWAYS_UNRECORDED = frozenset({REPLAYED_HEADER[0]})
 
 CallerScope = Callable[[HTTPConnection], str | Awaitable[str]]
-LeaseLostAction = Literal["cancel", "continue"]
 
 
 @dataclass(frozen=True, slots=True)

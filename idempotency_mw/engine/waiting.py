@@ -9,8 +9,8 @@ import time
 from contextvars import Context
 
 from idempotency_mw._backoff import Backoff
-from idempotency_mw.exceptions import SettlementFeedUnsupported
 from idempotency_mw.stores.base import SettlementFeed, Store
+from idempotency_mw.values.exceptions import SettlementFeedUnsupported
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -30,7 +30,7 @@ class Settlements:
     A request of this worker that settles a key wakes its waiters itself. When the store offers
     a :class:`~idempotency_mw.stores.base.SettlementFeed`, the first request that waits starts
     one watcher per event loop, which wakes them when any worker settles their key. Keys are
-    known by their digest (:func:`~idempotency_mw.metrics.key_hash`).
+    known by their digest (:func:`~idempotency_mw.values.metrics.key_hash`).
     """
 
     def __init__(self, store: Store) -> None:

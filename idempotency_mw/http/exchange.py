@@ -6,12 +6,8 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from idempotency_mw._asgi import ReplayReceive, ResponseRecorder, send_replay
-from idempotency_mw.caller import caller_scope, credential_binding, scope_failed
-from idempotency_mw.door import ENDPOINT, ROUTE
-from idempotency_mw.engine import Call, ClaimEngine, ClaimRequest, Hold, LeaseUnproven
-from idempotency_mw.exceptions import EffectCommitted, LeaseLost, StoreError
-from idempotency_mw.fence import (
+from idempotency_mw.engine.claim import Call, ClaimEngine, ClaimRequest, Hold, LeaseUnproven
+from idempotency_mw.engine.fence import (
     AT_THE_ENDPOINT,
     UNPROTECTED,
     AnsweredInstead,
@@ -19,13 +15,17 @@ from idempotency_mw.fence import (
     current_claim,
     current_entrance,
 )
-from idempotency_mw.fingerprint import request_fingerprint
-from idempotency_mw.metrics import EventKind
-from idempotency_mw.options import Options
-from idempotency_mw.problems import Problem, send_problem
-from idempotency_mw.records import Claim, ClaimOutcome
-from idempotency_mw.retention import KeyAnswers
-from idempotency_mw.settings import Settings
+from idempotency_mw.engine.fingerprint import request_fingerprint
+from idempotency_mw.http._asgi import ReplayReceive, ResponseRecorder, send_replay
+from idempotency_mw.http.caller import caller_scope, credential_binding, scope_failed
+from idempotency_mw.http.door import ENDPOINT, ROUTE
+from idempotency_mw.http.options import Options
+from idempotency_mw.http.retention import KeyAnswers
+from idempotency_mw.values.exceptions import EffectCommitted, LeaseLost, StoreError
+from idempotency_mw.values.metrics import EventKind
+from idempotency_mw.values.problems import Problem, send_problem
+from idempotency_mw.values.records import Claim, ClaimOutcome
+from idempotency_mw.values.settings import Settings
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -64,7 +64,7 @@ _REFUSALS: dict[ClaimOutcome, tuple[Problem, int, str]] = {
 class Exchange:
     """One keyed request through the middleware.
 
-    The claim is taken at the route's door when it has one (see :mod:`idempotency_mw.door`),
+    The claim is taken at the route's door when it has one (see :mod:`idempotency_mw.http.door`),
     else before the app runs. What the app sends before the door opens is passed on untouched
     and nothing is recorded; once the door opened, the response is recorded (or the key
     released) when it ends; when the middleware answered at the door, what the app sends is
@@ -113,7 +113,7 @@ class Exchange:
 
     async def run(self, *, doors: str | None) -> None:
         """Handle the request; ``doors``: which doors its route has (see
-        :func:`~idempotency_mw.door.doors_of`; ``None``: none, so whatever the app answers
+        :func:`~idempotency_mw.http.door.doors_of`; ``None``: none, so whatever the app answers
         counts as the endpoint's)."""
         self._doors = doors
         options = self.options
@@ -237,7 +237,7 @@ class Exchange:
                 await self._settle(recorder)
 
     def passed(self, *, endpoint: bool) -> bool:
-        """A door passed: see :class:`~idempotency_mw.fence.Entrance`. The endpoint began at
+        """A door passed: see :class:`~idempotency_mw.engine.fence.Entrance`. The endpoint began at
         the endpoint's door, or at the route's door of a route without one."""
         if endpoint or self._doors == ROUTE:
             self._began = True
@@ -245,7 +245,7 @@ class Exchange:
 
     async def enter(self, caller_scope: object, *, endpoint: bool) -> CurrentClaim | str | None:
         """A door passed, the key claimed there unless it was before: see
-        :class:`~idempotency_mw.fence.Entrance`."""
+        :class:`~idempotency_mw.engine.fence.Entrance`."""
         self.passed(endpoint=endpoint)
         if self._entered:
             return self._entry  # the key is claimed once

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from idempotency_mw.options import Options
-from idempotency_mw.policy import RouteTable, app_routes
-from idempotency_mw.problems import Problem
-from idempotency_mw.records import KeyState
-from idempotency_mw.retention import EXPIRES_HEADER, FIRST_SENT_HEADER
+from idempotency_mw.http.options import Options
+from idempotency_mw.http.policy import RouteTable, app_routes
+from idempotency_mw.http.retention import EXPIRES_HEADER, FIRST_SENT_HEADER
+from idempotency_mw.values.problems import Problem
+from idempotency_mw.values.records import KeyState
 
 _MARK = "__idempotency_documented__"
 _PROBLEM_SCHEMA = "IdempotencyProblem"

@@ -16,7 +16,10 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import Any, Literal, TypedDict
 
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.values.exceptions import ConfigurationError
+
+#: What becomes of work whose lease could not be proven: stopped, or left to go on unprotected.
+LeaseLostAction = Literal["cancel", "continue"]
 
 #: A length of time: seconds, or a timedelta.
 Duration = float | timedelta

@@ -1,8 +1,9 @@
 """The ``idempotency-mw`` command: migrations, the purge, an operator's look at a store, the
 operator's web panel, and the Store contract's conformance cases.
 
-Parsing and printing only; the work is done by the stores (through :mod:`idempotency_mw.admin`),
-:mod:`idempotency_mw.panel`, the purge and the packaged Alembic revisions. Drivers are imported
+Parsing and printing only; the work is done by the stores (through
+:mod:`idempotency_mw.operator.admin`), :mod:`idempotency_mw.operator.panel`, the purge and the
+packaged Alembic revisions. Drivers are imported
 only by the command that needs them, so a missing one is reported with the extra that installs
 it. Every error is one line on stderr;
 exit codes: 0 done, 1 not done (the store failed, no such record, a release refused, a
@@ -23,21 +24,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from idempotency_mw._version import __version__
-from idempotency_mw.admin import DEFAULT_REDIS_PREFIX, relative_time
-from idempotency_mw.cleanup import DEFAULT_BATCH_SIZE
-from idempotency_mw.conformance import CASES, conformance
-from idempotency_mw.exceptions import (
+from idempotency_mw.engine.cleanup import DEFAULT_BATCH_SIZE
+from idempotency_mw.operator.admin import DEFAULT_REDIS_PREFIX, relative_time
+from idempotency_mw.operator.conformance import CASES, conformance
+from idempotency_mw.values.exceptions import (
     ConfigurationError,
     SchemaError,
     StoreError,
     describe,
     install_extra,
 )
-from idempotency_mw.records import RecordStatus
+from idempotency_mw.values.records import RecordStatus
 
 if TYPE_CHECKING:
-    from idempotency_mw.admin import Lookup, ReleaseResult
-    from idempotency_mw.records import RecordView, StoreStats
+    from idempotency_mw.operator.admin import Lookup, ReleaseResult
+    from idempotency_mw.values.records import RecordView, StoreStats
 
 T = TypeVar("T")
 
@@ -74,7 +75,7 @@ def _migrate(args: argparse.Namespace) -> int:
     from alembic import command
     from alembic.util.exc import CommandError
 
-    from idempotency_mw.admin import is_redis_url
+    from idempotency_mw.operator.admin import is_redis_url
     from idempotency_mw.stores.sql.migrate import alembic_config
 
     if is_redis_url(args.url):
@@ -113,8 +114,8 @@ def _purge(args: argparse.Namespace) -> int:
 
 
 async def _purged_proofs(url: str, batch_size: int, prefix: str) -> str:
-    from idempotency_mw.admin import open_proof_table
-    from idempotency_mw.cleanup import purge
+    from idempotency_mw.engine.cleanup import purge
+    from idempotency_mw.operator.admin import open_proof_table
 
     async with open_proof_table(url) as table:
         report = await purge(table, batch_size=batch_size)
@@ -122,8 +123,8 @@ async def _purged_proofs(url: str, batch_size: int, prefix: str) -> str:
 
 
 async def _purged(url: str, batch_size: int, prefix: str) -> str:
-    from idempotency_mw.admin import open_store
-    from idempotency_mw.cleanup import purge
+    from idempotency_mw.engine.cleanup import purge
+    from idempotency_mw.operator.admin import open_store
 
     async with open_store(url, prefix=prefix) as store:
         report = await purge(store, batch_size=batch_size)
@@ -141,7 +142,7 @@ async def _purged(url: str, batch_size: int, prefix: str) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from idempotency_mw import admin
+    from idempotency_mw.operator import admin
 
     lookup = _run(
         admin.inspect(
@@ -173,8 +174,8 @@ def _elsewhere(lookup: Lookup) -> str:
 
 
 def _release(args: argparse.Namespace) -> int:
-    from idempotency_mw import admin
-    from idempotency_mw.admin import ReleaseOutcome
+    from idempotency_mw.operator import admin
+    from idempotency_mw.operator.admin import ReleaseOutcome
 
     result = _run(
         admin.release(args.url, args.key, scope=args.scope, force=args.force, prefix=args.prefix),
@@ -228,7 +229,7 @@ _SETTLED_MEANS = {
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from idempotency_mw import admin
+    from idempotency_mw.operator import admin
 
     stats = _run(admin.stats(args.url, prefix=args.prefix), args.timeout)
     if args.json:
@@ -242,7 +243,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _conformance(args: argparse.Namespace) -> int:
-    from idempotency_mw.admin import build_store
+    from idempotency_mw.operator.admin import build_store
 
     # Opened once first: a missing table or an unreachable server is said once, not per case.
     _run(_opened(args.store, args.prefix), args.timeout)
@@ -264,7 +265,7 @@ def _conformance(args: argparse.Namespace) -> int:
 
 
 async def _opened(url: str, prefix: str) -> None:
-    from idempotency_mw.admin import open_store
+    from idempotency_mw.operator.admin import open_store
 
     async with open_store(url, prefix=prefix):
         pass
@@ -283,8 +284,8 @@ def _panel(args: argparse.Namespace) -> int:
 async def _serve_panel(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from idempotency_mw.admin import open_store
-    from idempotency_mw.panel import panel
+    from idempotency_mw.operator.admin import open_store
+    from idempotency_mw.operator.panel import panel
 
     async with AsyncExitStack() as stack:
         try:

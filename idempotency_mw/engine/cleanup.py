@@ -13,8 +13,8 @@ from datetime import timedelta
 from typing import Protocol
 
 from idempotency_mw._backoff import Backoff
-from idempotency_mw.exceptions import ConfigurationError
-from idempotency_mw.settings import Duration, to_seconds
+from idempotency_mw.values.exceptions import ConfigurationError
+from idempotency_mw.values.settings import Duration, to_seconds
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -25,7 +25,7 @@ DEFAULT_FIRST_RETRY = timedelta(seconds=5)
 
 class Purgeable(Protocol):
     """What a purge needs: a store, or the proof table
-    (:class:`~idempotency_mw.proofs.ProofTable`)."""
+    (:class:`~idempotency_mw.engine.proofs.ProofTable`)."""
 
     async def purge_expired(self, *, batch_size: int) -> int | None:
         """Delete at most ``batch_size`` expired rows; ``None``: they expire by themselves."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hashlib import _Hash
 
-    from idempotency_mw.settings import FingerprintMode
+    from idempotency_mw.values.settings import FingerprintMode
 
 #: In place of the body's length: the multipart form follows. No body is this long, so no
 #: bytes body shares a digest with a multipart one.

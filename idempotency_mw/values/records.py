@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.values.exceptions import ConfigurationError
 
 
 class RecordStatus(enum.StrEnum):

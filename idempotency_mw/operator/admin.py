@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from idempotency_mw._urls import shown_url
-from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
-from idempotency_mw.records import RecordView, StoreStats
+from idempotency_mw.values.exceptions import ConfigurationError, SchemaError, StoreError, describe
+from idempotency_mw.values.records import RecordView, StoreStats
 
 if TYPE_CHECKING:
     from idempotency_mw.stores.base import Inspectable, Store
@@ -175,7 +175,7 @@ async def open_proof_table(url: str) -> AsyncIterator[ProofTable]:
     SchemaError naming ``migrate --proofs``); its engine is disposed afterwards."""
     from sqlalchemy import inspect
 
-    from idempotency_mw.proofs import PROOF_TABLE, ProofTable
+    from idempotency_mw.engine.proofs import PROOF_TABLE, ProofTable
     from idempotency_mw.stores.sql.migrate import plain_engine
 
     _refuse_a_missing_sqlite_file(url)
@@ -195,7 +195,7 @@ async def open_proof_table(url: str) -> AsyncIterator[ProofTable]:
 
 
 if TYPE_CHECKING:
-    from idempotency_mw.proofs import ProofTable
+    from idempotency_mw.engine.proofs import ProofTable
 
     class InspectableStore(Store, Inspectable, Protocol):
         """A store an operator can look into."""

@@ -5,8 +5,8 @@ client journal's operations that need a person. It is read-only unless ``actions
 each action (release a stuck key; retry an operation now; mark one confirmed or failed with a
 note) goes through a confirmation page whose form carries a proof that only this panel can
 make, so a request that skipped the page (or came from another site) changes nothing. Every
-action is logged on the ``idempotency_mw.panel`` logger. Pages are plain HTML rendered on the
-server from the package's Jinja2 templates (``templates/panel``), with no script.
+action is logged on the ``idempotency_mw.operator.panel`` logger. Pages are plain HTML rendered
+on the server from the package's Jinja2 templates (``templates/panel``), with no script.
 """
 
 from __future__ import annotations
@@ -25,21 +25,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from idempotency_mw.admin import ReleaseOutcome, relative_time, release_record
-from idempotency_mw.exceptions import ConfigurationError, StoreError, describe, install_extra
-from idempotency_mw.records import RecordStatus, RecordView
+from idempotency_mw.operator.admin import ReleaseOutcome, relative_time, release_record
+from idempotency_mw.values.exceptions import ConfigurationError, StoreError, describe, install_extra
+from idempotency_mw.values.records import RecordStatus, RecordView
 
 if TYPE_CHECKING:
     from starlette.templating import Jinja2Templates
 
-    from idempotency_mw.admin import InspectableStore
     from idempotency_mw.client import IdempotentClient, Journal, JournalEntry
     from idempotency_mw.client.attention import AttentionRow
+    from idempotency_mw.operator.admin import InspectableStore
 
 __all__ = ["panel"]
 
 T = TypeVar("T")
-logger = logging.getLogger("idempotency_mw.panel")
+logger = logging.getLogger("idempotency_mw.operator.panel")
 
 #: Request headers whose values the panel never shows.
 _SECRET_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization", "x-api-key"})

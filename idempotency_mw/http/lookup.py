@@ -16,14 +16,14 @@ from urllib.parse import parse_qs
 
 from starlette.types import Scope, Send
 
-from idempotency_mw._asgi import invalid_key_detail, parse_key, request_headers, send_replay
-from idempotency_mw.caller import caller_scope, credential_binding
-from idempotency_mw.exceptions import StoreError
-from idempotency_mw.options import Options
-from idempotency_mw.problems import Problem, send_problem
-from idempotency_mw.records import KeyState, RecordState
-from idempotency_mw.retention import KeyAnswers
+from idempotency_mw.http._asgi import invalid_key_detail, parse_key, request_headers, send_replay
+from idempotency_mw.http.caller import caller_scope, credential_binding
+from idempotency_mw.http.options import Options
+from idempotency_mw.http.retention import KeyAnswers
 from idempotency_mw.stores.base import KeyLookup
+from idempotency_mw.values.exceptions import StoreError
+from idempotency_mw.values.problems import Problem, send_problem
+from idempotency_mw.values.records import KeyState, RecordState
 
 
 def looked_up_key(scope: Scope, lookup_path: str) -> str | None:

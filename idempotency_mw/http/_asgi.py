@@ -7,8 +7,8 @@ from collections.abc import Awaitable, Callable
 
 from starlette.types import Message, Receive, Scope, Send
 
-from idempotency_mw.keys import MAX_KEY_LENGTH, is_valid_key, key_rule
-from idempotency_mw.records import StoredResponse
+from idempotency_mw.values.records import StoredResponse
+from idempotency_mw.wire import MAX_KEY_LENGTH, is_valid_key, key_rule
 
 REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 #: Statuses whose responses carry no body, so no Content-Length either.

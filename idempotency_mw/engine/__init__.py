@@ -1,0 +1,1 @@
+"""The claim engine every entry shares: claim, lease, settle, wait, fence, fingerprint."""

@@ -1,0 +1,1 @@
+"""The ASGI entry: the middleware, one keyed request, the routes, OpenAPI and the lookup."""

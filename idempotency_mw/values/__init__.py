@@ -1,0 +1,1 @@
+"""The values every part shares: records, exceptions, problems, settings and events."""
