@@ -5,9 +5,9 @@ client journal's operations that need a person. It is read-only unless ``actions
 each action (release a stuck key; retry an operation now; mark one confirmed or failed with a
 note) goes through a confirmation page whose form carries a proof made with the operator's
 secret, so a request that skipped the page (or came from another site) changes nothing, and a
-page one worker served is accepted by every other. Every
-action is logged on the ``idempotency_mw.panel`` logger. Pages are plain HTML rendered on the
-server from the package's Jinja2 templates (``templates/panel``), with no script.
+page one worker served is accepted by every other. Every action is logged on the
+``idempotency_mw.panel`` logger. Pages are plain HTML rendered on the server from the
+package's Jinja2 templates (``templates/panel``), with no script.
 """
 
 from __future__ import annotations
