@@ -16,16 +16,17 @@ publish:
   a class (Starlette's ``HTTPEndpoint``).
 - the *route's door*: every other route the app holds in its route lists (its own, its mounted
   sub-apps' and host routes') gets its ASGI app wrapped, as Starlette's own per-route
-  middleware is, by :func:`give_door`, when :func:`~idempotency_mw.install` is called and when
-  the app's lifespan starts. It is passed after every layer inside the middleware, before
-  FastAPI's validation and dependencies: on a FastAPI route without ``@idempotent``, what they
-  refuse counts as the endpoint's answer (nothing FastAPI publishes tells that they passed).
-- none: a route added after start-up, every route of an app started without a lifespan and
-  without ``install()`` (an ``httpx.ASGITransport``, a ``TestClient`` used without ``with``),
-  a route FastAPI makes itself at dispatch (those of included routers, from FastAPI 0.137),
-  unless ``@idempotent`` gave it the endpoint's door. Whatever such a route answers counts
-  as its endpoint's: every answer below 500 is recorded, except a framework's answer to a
-  request that failed validation, known by its body (FastAPI's 422).
+  middleware is, by :func:`give_door`, once, before the app's first request is dispatched (at
+  the lifespan's start-up, or at the first request of an app run without one: an
+  ``httpx.ASGITransport``, a ``TestClient`` used without ``with``). It is passed after every
+  layer inside the middleware, before FastAPI's validation and dependencies: on a FastAPI
+  route without ``@idempotent``, what they refuse counts as the endpoint's answer (nothing
+  FastAPI publishes tells that they passed).
+- none: a route added after the first request, a route FastAPI makes itself at dispatch (those
+  of included routers, from FastAPI 0.137), unless ``@idempotent`` gave it the endpoint's
+  door. Whatever such a route answers counts as its endpoint's: every answer below 500 is
+  recorded, except a framework's answer to a request that failed validation, known by its
+  body (FastAPI's 422).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Unpack
@@ -49,8 +50,8 @@ class IdempotencyMiddleware:
     gets 409 (or 422); a repeat while the first still runs gets 409 with ``Retry-After``.
     Every answer below 500 of an endpoint that began is recorded; a route's door tells where
     it begins (see :mod:`idempotency_mw.http.door`: ``@idempotent`` gives an endpoint its own,
-    after FastAPI's validation and the route's dependencies; the lifespan's start-up and
-    :func:`install` give the others theirs). The route settings given here by name
+    after FastAPI's validation and the route's dependencies; the others get theirs before the
+    app's first request, lifespan or not). The route settings given here by name
     (:class:`~idempotency_mw.RouteOptions`: ``ttl``, ``lease``, ``required``, ``wait``,
     ``fingerprint``, ``release_statuses``, ``fenced``, ``max_request_bytes``) are every
     route's defaults; ``@idempotent`` and the ``routes`` mapping override them per route. An
@@ -99,7 +100,9 @@ class IdempotencyMiddleware:
         self.engine = ClaimEngine(
             store, on_event=self.options.on_event, on_lease_lost=on_lease_lost
         )
-        self._documented: set[int] = set()
+        #: The apps (by id) whose routes have their doors.
+        self._prepared: set[int] = set()
+        self._preparing = threading.Lock()
 
     @property
     def store(self) -> Store:
@@ -114,9 +117,9 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         app = scope.get("app", self.app)
-        if id(app) not in self._documented:
+        if id(app) not in self._prepared:
             # Without a lifespan (a TestClient used without `with`), the first request does it.
-            self._document(app)
+            self._prepare(app)
         options = self.options
         if scope["method"] not in options.methods:
             if options.lookup_path is not None and scope["method"] == "GET":
@@ -191,16 +194,23 @@ class IdempotencyMiddleware:
         )
         await exchange.run(doors=resolved.doors)
 
-    def _document(self, app: object) -> None:
-        self._documented.add(id(app))
-        document_openapi(app, self.options, self.routes)
+    def _prepare(self, app: object) -> None:
+        """Document ``app``'s schema and give its routes their doors: once, before its first
+        request is dispatched (at the lifespan's start-up, else at its first request), so that
+        an app answers the same with a lifespan or without."""
+        with self._preparing:  # a TestClient without `with` may send from several threads
+            if id(app) in self._prepared:
+                return
+            document_openapi(app, self.options, self.routes)
+            for route in routes_within(app):
+                give_door(route)
+            self.routes.forget()
+            self._prepared.add(id(app))
 
     @asynccontextmanager
     async def _lifespan(self, scope: Scope) -> AsyncIterator[None]:
         app = scope.get("app", self.app)
-        self._document(app)
-        _give_doors(app)
-        self.routes.forget()
+        self._prepare(app)
         routes = app_routes(app)
         if routes is None:
             logger.info(
@@ -226,22 +236,12 @@ def install(app: Any, *, store: Store, **options: Any) -> None:
     """Add :class:`IdempotencyMiddleware` to a Starlette/FastAPI ``app``; document it now.
 
     The same as ``app.add_middleware(IdempotencyMiddleware, store=store, **options)``, except
-    that two things the middleware does at start-up are done at once, before the first request
-    or the lifespan (a schema-export script, a ``TestClient`` used without ``with``): the
-    OpenAPI schema shows the key header and the problem answers, and the routes the app has
-    now get their doors (:mod:`idempotency_mw.http.door`).
+    that the OpenAPI schema shows the key header and the problem answers at once, before the
+    first request or the lifespan (for a script that exports the schema without serving).
     """
     # The options validated as the middleware will take them, defaults from its signature.
     given = inspect.signature(IdempotencyMiddleware).bind(app, store=store, **options)
     given.apply_defaults()
     built = build_options(**{name: v for name, v in given.arguments.items() if name != "app"})
     document_openapi(app, built, RouteTable(built.routes))
-    _give_doors(app)
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
-
-
-def _give_doors(app: object) -> None:
-    """Give each route of ``app`` that has no door the route's door (see
-    :mod:`idempotency_mw.http.door`): once, at start-up, never while requests run."""
-    for route in routes_within(app):
-        give_door(route)

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import base64
 import json
+import secrets
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -301,7 +302,17 @@ async def _serve_panel(args: argparse.Namespace) -> None:
             stack.callback(journal.close)
             client = IdempotentClient(journal=journal)
             stack.push_async_callback(client.aclose)
-        app = panel(store, journal=journal, client=client, actions=args.actions, limit=args.limit)
+        # This command serves the panel from one process only: a secret of its own is every
+        # worker's (a page of an earlier run is refused, as it should be).
+        secret = secrets.token_bytes(32) if args.actions else None
+        app = panel(
+            store,
+            journal=journal,
+            client=client,
+            actions=args.actions,
+            secret=secret,
+            limit=args.limit,
+        )
         mode = "actions on, each confirmed on its page" if args.actions else "read-only"
         print(f"{PROG}: the panel is at http://127.0.0.1:{args.port}/ ({mode}); Ctrl-C stops it")
         config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning")

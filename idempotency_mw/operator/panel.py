@@ -3,10 +3,11 @@
 It shows a store's records by status, the keys stuck in progress past their lease, and a
 client journal's operations that need a person. It is read-only unless ``actions=True``; then
 each action (release a stuck key; retry an operation now; mark one confirmed or failed with a
-note) goes through a confirmation page whose form carries a proof that only this panel can
-make, so a request that skipped the page (or came from another site) changes nothing. Every
-action is logged on the ``idempotency_mw.operator.panel`` logger. Pages are plain HTML rendered
-on the server from the package's Jinja2 templates (``templates/panel``), with no script.
+note) goes through a confirmation page whose form carries a proof made with the operator's
+secret, so a request that skipped the page (or came from another site) changes nothing, and a
+page one worker served is accepted by every other. Every action is logged on the
+``idempotency_mw.operator.panel`` logger. Pages are plain HTML rendered on the server from the
+package's Jinja2 templates (``templates/panel``), with no script.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs
@@ -63,6 +63,10 @@ _NOT_RELEASABLE = (
     "and a release would let a retry run it again."
 )
 _JOURNAL_ACTIONS = {"retry": "Retry now", "confirmed": "Mark confirmed", "failed": "Mark failed"}
+#: The shortest secret accepted: shorter ones can be guessed.
+_MIN_SECRET_BYTES = 16
+#: Keeps the panel's proofs apart from whatever else the operator signs with the same secret.
+_PROOF_DOMAIN = b"idempotency-mw panel proof\x00"
 
 
 class _Refused(Exception):
@@ -79,17 +83,20 @@ def panel(
     journal: Journal | None = None,
     client: IdempotentClient | None = None,
     actions: bool = False,
+    secret: str | bytes | None = None,
     limit: int = 50,
 ) -> Starlette:
     """The panel on ``store`` (and ``journal``, the client's, if given), as an ASGI app.
 
     ``client``, an :class:`~idempotency_mw.client.IdempotentClient` on ``journal`` with your
     base URL, credentials and probes, is what "retry now" sends with; without one the panel
-    offers no retry. ``actions=True`` switches the actions on. Lists show at most ``limit``
-    records each. The panel never closes the store, the journal or the client. It needs the
-    ``panel`` extra (Jinja2): without it, a :class:`ModuleNotFoundError` names the extra.
+    offers no retry. ``actions=True`` switches the actions on; it needs ``secret`` (at least 16
+    bytes, the same in every worker and process that serves the panel), with which each
+    confirmation page proves its form. Lists show at most ``limit`` records each. The panel
+    never closes the store, the journal or the client. It needs the ``panel`` extra (Jinja2):
+    without it, a :class:`ModuleNotFoundError` names the extra.
     """
-    view = _Panel(store, journal, client, actions=actions, limit=limit)
+    view = _Panel(store, journal, client, actions=actions, secret=secret, limit=limit)
     return Starlette(
         routes=[
             Route("/", view.home, name="home"),
@@ -120,6 +127,7 @@ class _Panel:
         client: IdempotentClient | None,
         *,
         actions: bool,
+        secret: str | bytes | None,
         limit: int,
     ) -> None:
         from idempotency_mw.stores.base import Inspectable
@@ -131,13 +139,21 @@ class _Panel:
             )
         if limit < 1:
             raise ConfigurationError("the panel's limit must be at least 1")
+        key = secret.encode() if isinstance(secret, str) else secret
+        if actions and (key is None or len(key) < _MIN_SECRET_BYTES):
+            # The store holds no secret (its repr is on every page), and a random one per
+            # instance would refuse a page another worker served: the operator gives it.
+            raise ConfigurationError(
+                f"panel(actions=True) needs secret=, at least {_MIN_SECRET_BYTES} bytes and the "
+                "same in every worker (e.g. read from an environment variable): it proves that "
+                "a form came from the panel's own confirmation page"
+            )
         self._store = store
         self._journal = journal
         self._client = client
         self._actions = actions
         self._limit = limit
-        # The proof that a form came from this panel's own confirmation page.
-        self._secret = secrets.token_bytes(32)
+        self._secret = key or b""
         self._templates = _templates()
 
     # --- pages ------------------------------------------------------------------------------
@@ -267,7 +283,7 @@ class _Panel:
     # --- checks and calls -------------------------------------------------------------------
 
     def _proof(self, parts: tuple[str, ...]) -> str:
-        message = "\x00".join(parts).encode("utf-8", "surrogatepass")
+        message = _PROOF_DOMAIN + "\x00".join(parts).encode("utf-8", "surrogatepass")
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
     def _check_decision(self, form: dict[str, str], parts: tuple[str, ...]) -> None:

@@ -39,6 +39,8 @@ HOUR = 3600.0
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id": 1}')
 #: Where the browser test also leaves its screenshots, when set (the docs' images).
 SCREENSHOTS = os.environ.get("IDEMPOTENCY_PANEL_SCREENSHOTS")
+#: The operator's secret of the panels with actions, the same in every worker.
+SECRET = "the operators' panel secret"
 
 
 async def stuck(store: Any, key: str, *, scope: str = "") -> None:
@@ -106,7 +108,7 @@ async def test_what_a_caller_chose_is_shown_as_text_never_as_markup() -> None:
     store = MemoryStore()
     hostile = "<script>alert(1)</script>"
     await stuck(store, hostile, scope="<b>scope</b>")
-    async with http_on(panel(store, actions=True)) as http:
+    async with http_on(panel(store, actions=True, secret=SECRET)) as http:
         page = (await http.get("/ops/")).text
     assert hostile not in page
     assert "<b>scope</b>" not in page
@@ -150,7 +152,7 @@ async def test_what_the_store_and_the_journal_hold_is_shown_as_text(
     store = MemoryStore()
     await stuck(store, markup, scope=f'"{markup}')
     needing_a_person(journal, "k-markup", markup, url=f"http://api.test/{markup}")
-    async with http_on(panel(store, journal=journal, actions=True)) as http:
+    async with http_on(panel(store, journal=journal, actions=True, secret=SECRET)) as http:
         pages = [(await http.get("/ops/")).text]
         (operation,) = links(pages[0], "/operations/")
         pages.append((await http.get(operation)).text)
@@ -164,7 +166,7 @@ async def test_what_the_store_and_the_journal_hold_is_shown_as_text(
 async def test_a_release_runs_only_once_confirmed_on_its_page() -> None:
     store = MemoryStore()
     await stuck(store, "order-17")
-    async with http_on(panel(store, actions=True)) as http:
+    async with http_on(panel(store, actions=True, secret=SECRET)) as http:
         (confirm,) = links((await http.get("/ops/")).text, "/release")
         page = (await http.get(confirm)).text
         assert "Release this key?" in page
@@ -188,6 +190,25 @@ async def test_a_release_runs_only_once_confirmed_on_its_page() -> None:
     assert again.outcome is ClaimOutcome.ACQUIRED
 
 
+async def test_a_page_one_worker_served_is_accepted_by_another(tmp_path: Path) -> None:
+    # Two workers: a store of each over one database, a panel of each, the operator's secret.
+    first, second = [await sqlite_store_at(tmp_path / "idempotency.db") for _ in range(2)]
+    await stuck(first, "order-17")
+    async with http_on(panel(first, actions=True, secret=SECRET)) as http:
+        (confirm,) = links((await http.get("/ops/")).text, "/release")
+        fields = form_of((await http.get(confirm)).text)
+    async with http_on(panel(second, actions=True, secret="another panel's secret")) as http:
+        other = await http.post("/ops/release", data={**fields, "decision": "yes"})
+    async with http_on(panel(second, actions=True, secret=SECRET.encode())) as http:
+        done = await http.post("/ops/release", data={**fields, "decision": "yes"})
+    gone = await second.find_record(second.record_ref("", "order-17"))
+    for store in (first, second):
+        await store.aclose()
+    assert other.status_code == 403  # a proof made with another secret proves nothing
+    assert (done.status_code, "Released" in done.text) == (200, True)
+    assert gone is None
+
+
 async def test_a_key_whose_effect_was_committed_is_never_offered_for_release(
     tmp_path: Path,
 ) -> None:
@@ -205,7 +226,7 @@ async def test_a_key_whose_effect_was_committed_is_never_offered_for_release(
     record = await store.find_record(store.record_ref("", "order-17"))
     assert record is not None
     assert (record.stuck, record.fenced) == (True, True)
-    async with http_on(panel(store, actions=True)) as http:
+    async with http_on(panel(store, actions=True, secret=SECRET)) as http:
         page = (await http.get("/ops/")).text
         (stuck_part,) = re.findall(r'id="stuck">.*?</section>', page, re.S)
         (committed,) = [
@@ -225,7 +246,7 @@ async def test_a_key_whose_effect_was_committed_is_never_offered_for_release(
 async def test_a_release_of_a_record_that_changed_meanwhile_changes_nothing() -> None:
     store = MemoryStore()
     await stuck(store, "order-17")
-    async with http_on(panel(store, actions=True)) as http:
+    async with http_on(panel(store, actions=True, secret=SECRET)) as http:
         (confirm,) = links((await http.get("/ops/")).text, "/release")
         fields = form_of((await http.get(confirm)).text)
         retry = await store.claim("", "order-17", "hash-order-17", ttl=HOUR, lease=HOUR)
@@ -242,8 +263,8 @@ async def test_a_read_only_panel_refuses_every_action(journal: SQLiteJournal) ->
     store = MemoryStore()
     await stuck(store, "order-17")
     needing_a_person(journal, "k-refund", "refund", url="http://api.test/refunds")
-    # The proof of an actions panel is worth nothing to another panel (its own secret).
-    async with http_on(panel(store, actions=True)) as http:
+    # A read-only panel refuses even a form that a panel with actions proved.
+    async with http_on(panel(store, actions=True, secret=SECRET)) as http:
         (confirm,) = links((await http.get("/ops/")).text, "/release")
         fields = form_of((await http.get(confirm)).text)
     async with http_on(panel(store, journal=journal)) as http:
@@ -264,7 +285,7 @@ async def test_a_read_only_panel_refuses_every_action(journal: SQLiteJournal) ->
 
 async def test_marking_an_operation_journals_the_note(journal: SQLiteJournal) -> None:
     needing_a_person(journal, "k-refund", "refund", url="http://api.test/refunds")
-    async with http_on(panel(MemoryStore(), journal=journal, actions=True)) as http:
+    async with http_on(panel(MemoryStore(), journal=journal, actions=True, secret=SECRET)) as http:
         (operation,) = links((await http.get("/ops/")).text, "/operations/")
         page = (await http.get(operation)).text
         assert "Retry now" not in page  # no client to send with
@@ -295,7 +316,9 @@ async def test_retry_now_sends_the_operation_with_the_client(
     async with (
         httpx.AsyncClient(transport=transport, base_url=BASE_URL) as to_api,
         IdempotentClient(http=to_api, journal=journal) as client,
-        http_on(panel(MemoryStore(), journal=journal, client=client, actions=True)) as http,
+        http_on(
+            panel(MemoryStore(), journal=journal, client=client, actions=True, secret=SECRET)
+        ) as http,
     ):
         (operation,) = links((await http.get("/ops/")).text, "/operations/")
         (retry,) = links((await http.get(operation)).text, "/retry")
@@ -325,7 +348,7 @@ async def test_retry_now_sends_the_operation_with_the_client(
 async def test_bad_input_is_a_clear_page_never_a_500(
     method: str, path: str, data: Any, status: int
 ) -> None:
-    async with http_on(panel(MemoryStore(), actions=True)) as http:
+    async with http_on(panel(MemoryStore(), actions=True, secret=SECRET)) as http:
         if isinstance(data, bytes):
             answer = await http.request(method, path, content=data)
         else:
@@ -334,7 +357,7 @@ async def test_bad_input_is_a_clear_page_never_a_500(
     assert "Nothing changed" in answer.text or "nothing changed" in answer.text.lower()
 
 
-def test_a_store_it_cannot_inspect_or_a_bad_limit_is_refused_at_once() -> None:
+def test_a_store_it_cannot_inspect_a_bad_limit_or_no_secret_is_refused_at_once() -> None:
     from idempotency_mw.values.exceptions import ConfigurationError
 
     class Opaque(MemoryStore):
@@ -344,6 +367,9 @@ def test_a_store_it_cannot_inspect_or_a_bad_limit_is_refused_at_once() -> None:
         panel(Opaque())  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="limit"):
         panel(MemoryStore(), limit=0)
+    for secret in (None, "", "too short"):
+        with pytest.raises(ConfigurationError, match=r"actions=True\) needs secret="):
+            panel(MemoryStore(), actions=True, secret=secret)
 
 
 def test_without_jinja2_the_panel_names_the_extra_to_install(

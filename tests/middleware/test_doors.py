@@ -1,20 +1,22 @@
-"""Where the endpoint begins: the doors ``@idempotent`` and the start-up (the lifespan,
-``install()``) give routes, and what a route without one records, as when an app runs without
-its lifespan and without ``install()`` (an ``httpx.ASGITransport``, a ``TestClient`` without
-``with``)."""
+"""Where the endpoint begins: the doors ``@idempotent`` and the middleware (before the app's
+first request) give routes, the same answers whichever way the app is run (its lifespan or
+none: a ``TestClient`` with or without ``with``, an ``httpx.ASGITransport``, uvicorn), and
+what a route without a door records."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException
 from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
 from starlette.applications import Starlette
 from starlette.endpoints import HTTPEndpoint
 from starlette.middleware import Middleware
@@ -25,7 +27,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idempotency_mw import IdempotencyMiddleware, Store, idempotent, install
 from idempotency_mw.http.door import RouteDoor
+from idempotency_mw.testing import MemoryStore
 from tests.support.apps import client_for
+from tests.support.faults import serve
 
 pytestmark = pytest.mark.anyio
 
@@ -76,13 +80,15 @@ def fastapi_service(store: Store) -> FastAPI:
 
 
 class Guard:
-    """A layer inside the middleware that answers 401 by itself, unless the request has a pass."""
+    """A layer inside the middleware that answers 401 by itself, unless the request has a pass
+    (the header ``needed``)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, needed: tuple[bytes, bytes] = (b"x-pass", b"yes")) -> None:
         self.app = app
+        self.needed = needed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (b"x-pass", b"yes") not in scope["headers"]:
+        if scope["type"] == "http" and self.needed not in scope["headers"]:
             await PlainTextResponse("no pass", status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -157,7 +163,7 @@ async def test_a_dependencys_refusal_is_released_behind_the_endpoints_door_only(
 
 
 @pytest.mark.parametrize("path", ["/jobs", "/sub/jobs"])
-@pytest.mark.parametrize("start", ["lifespan", "install"])
+@pytest.mark.parametrize("start", ["lifespan", "install", "first-request"])
 async def test_an_inner_layers_refusal_before_the_routes_door_is_released(
     store: Store, path: str, start: str
 ) -> None:
@@ -171,38 +177,104 @@ async def test_an_inner_layers_refusal_before_the_routes_door_is_released(
     assert app.state.runs["/jobs"] == 1
 
 
-async def test_without_lifespan_or_install_only_idempotent_gives_a_door(store: Store) -> None:
-    # Started by neither, a plain route has no door: an inner layer's refusal counts as its
-    # endpoint's answer and is recorded; the endpoint that @idempotent wrapped has its own.
-    app = starlette_service(store)
-    async with started(app, lifespan=False) as client:
-        plain = [await client.post("/jobs", headers=KEY) for _ in range(2)]
-        doored = await client.post("/doored", headers={"Idempotency-Key": "d"})
-        doored_passed = await client.post(
-            "/doored", headers={"Idempotency-Key": "d", "x-pass": "yes"}
-        )
-    assert [a.status_code for a in plain] == [401, 401]
-    assert plain[1].headers["idempotent-replayed"] == "true"
-    assert doored.status_code == 401
-    assert doored_passed.status_code == 201
-    assert app.state.runs == Counter({"/doored": 1})
+def signed_service(store: Store) -> FastAPI:
+    """FastAPI's tutorial shape: ``/orders`` undecorated behind a layer that signs callers in,
+    ``/v1/orders`` marked ``@idempotent`` behind an auth dependency."""
+    runs: Counter[str] = Counter()
+    app = FastAPI()
+    router = APIRouter(prefix="/v1")
+
+    @app.post("/orders", status_code=201)
+    async def orders() -> dict[str, int]:
+        runs["/orders"] += 1
+        return {"run": runs["/orders"]}
+
+    @router.post("/orders", status_code=201)
+    @idempotent()
+    async def doored_orders(user: str = Depends(signed_in)) -> dict[str, int]:
+        runs["/v1/orders"] += 1
+        return {"run": runs["/v1/orders"]}
+
+    app.include_router(router)
+    app.add_middleware(Guard, needed=(b"authorization", b"Bearer good"))
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    app.state.runs = runs
+    return app
 
 
-async def test_requests_never_change_the_apps_routes(store: Store) -> None:
+SIGNED_PATHS = ["/orders", "/v1/orders"]
+
+
+class Answer(Protocol):
+    """A response of httpx's or of the one ``TestClient`` is built on."""
+
+    @property
+    def status_code(self) -> int: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+    @property
+    def text(self) -> str: ...
+
+
+def assert_the_signed_retry_ran(
+    app: FastAPI, path: str, refused: Answer, answers: Sequence[Answer]
+) -> None:
+    """The refusal before the endpoint released its key: the signed retry ran, once."""
+    assert refused.status_code == 401
+    assert [a.status_code for a in answers] == [201, 201], answers[0].text
+    assert [a.headers.get("idempotent-replayed") for a in answers] == [None, "true"]
+    assert app.state.runs[path] == 1
+
+
+@pytest.mark.parametrize("path", SIGNED_PATHS)
+@pytest.mark.parametrize("entered", [True, False], ids=["with", "without-with"])
+def test_a_refusal_before_the_endpoint_is_released_under_testclient(
+    path: str, entered: bool
+) -> None:
+    # FastAPI's testing tutorial writes `client = TestClient(app)`: no `with`, no lifespan.
+    app = signed_service(MemoryStore())
+    client = TestClient(app)
+    with client if entered else contextlib.nullcontext(client):
+        refused = client.post(path, headers=KEY)
+        answers = [client.post(path, headers=GOOD) for _ in range(2)]
+    assert_the_signed_retry_ran(app, path, refused, answers)
+
+
+@pytest.mark.parametrize("path", SIGNED_PATHS)
+@pytest.mark.parametrize("server", ["asgi-transport", "uvicorn"])
+async def test_a_refusal_before_the_endpoint_is_released_in_process_and_served(
+    store: Store, path: str, server: str
+) -> None:
+    app = signed_service(store)
+    async with contextlib.AsyncExitStack() as stack:
+        if server == "uvicorn":
+            url = await stack.enter_async_context(serve(app))
+            client = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
+        else:
+            client = await stack.enter_async_context(client_for(app))
+        refused = await client.post(path, headers=KEY)
+        answers = [await client.post(path, headers=GOOD) for _ in range(2)]
+    assert_the_signed_retry_ran(app, path, refused, answers)
+
+
+async def test_doors_are_placed_once_before_the_first_request_and_never_after(
+    store: Store,
+) -> None:
     app = fastapi_service(store)
     direct = next(r for r in app.routes if isinstance(r, APIRoute) and r.path == "/direct")
-    before = (direct.app, direct.dependant.call)
     plain = starlette_service(store)
     jobs = next(r for r in plain.routes if isinstance(r, Route))
-    jobs_app = jobs.app
-    async with started(app, lifespan=False) as client:
+    async with started(app, lifespan=False) as client, started(plain, False) as plain_client:
+        await client.post("/direct", headers=GOOD)
+        await plain_client.post("/jobs", headers={**KEY, "x-pass": "yes"})
+        placed = (direct.app, direct.dependant.call, jobs.app)
         for path in ("/direct", "/v1/plain", "/v1/doored"):
-            await client.post(path, headers=GOOD)
-    async with started(plain, lifespan=False) as client:
-        await client.post("/jobs", headers={**KEY, "x-pass": "yes"})
-    assert (direct.app, direct.dependant.call) == before
-    assert direct.dependant.call is direct.endpoint
-    assert jobs.app is jobs_app
+            await client.post(path, headers={**GOOD, "Idempotency-Key": path})
+        await plain_client.post("/jobs", headers={"Idempotency-Key": "again", "x-pass": "yes"})
+    assert isinstance(direct.app, RouteDoor)
+    assert isinstance(jobs.app, RouteDoor)
+    assert (direct.app, direct.dependant.call, jobs.app) == placed
+    assert direct.dependant.call is direct.endpoint  # FastAPI's own call, never rewritten
 
 
 async def test_start_up_gives_each_route_one_door_once(store: Store) -> None:
