@@ -35,6 +35,7 @@ from idempotency_mw.functions import (
     ResultNotReplayable,
     StillRunning,
 )
+from idempotency_mw.keys import KeySource, from_header, from_json
 from idempotency_mw.lifespan import store_lifespan
 from idempotency_mw.middleware import IdempotencyMiddleware, install
 from idempotency_mw.policy import idempotent
@@ -63,6 +64,7 @@ __all__ = [
     "JSONCodec",
     "KeyExpired",
     "KeyReused",
+    "KeySource",
     "LeaseLost",
     "PurgeSchedule",
     "RedisStore",
@@ -78,6 +80,8 @@ __all__ = [
     "downstream_key",
     "fence",
     "fence_sync",
+    "from_header",
+    "from_json",
     "idempotent",
     "install",
     "store_lifespan",

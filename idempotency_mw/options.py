@@ -11,6 +11,7 @@ from starlette.requests import HTTPConnection
 from idempotency_mw._asgi import REPLAYED_HEADER
 from idempotency_mw.cleanup import PurgeSchedule
 from idempotency_mw.exceptions import ConfigurationError
+from idempotency_mw.keys import PER_ATTEMPT_HEADERS
 from idempotency_mw.metrics import EventHook, guard
 from idempotency_mw.settings import RouteOptions, Settings, settings_of
 from idempotency_mw.stores.base import KeyLookup, Store, takes_keyword
@@ -134,6 +135,12 @@ def build_options(
     )
     credentials = tuple(sorted({name.lower() for name in credential_headers}))
     fingerprinted = tuple(sorted({name.lower() for name in fingerprint_headers}))
+    per_attempt = sorted(PER_ATTEMPT_HEADERS.intersection((*credentials, *fingerprinted)))
+    if per_attempt:
+        raise ConfigurationError(
+            f"{per_attempt} change with every delivery attempt: as credentials or in the "
+            "fingerprint, every re-delivery of a message would be refused with 409"
+        )
     return Options(
         store=store,
         defaults=settings_of(settings),

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
 
-import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException
@@ -25,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idempotency_mw import IdempotencyMiddleware, Store, idempotent, install
 from idempotency_mw.door import RouteDoor
-from tests.support.apps import client_for
+from tests.support.apps import started
 
 pytestmark = pytest.mark.anyio
 
@@ -117,17 +114,6 @@ def starlette_service(store: Store, *, installed: bool = False) -> Starlette:
         install(app, store=store)
     app.state.runs = runs
     return app
-
-
-@asynccontextmanager
-async def started(app: Any, lifespan: bool) -> AsyncIterator[httpx.AsyncClient]:
-    """A client of ``app``, run with its lifespan or, as many test clients do, without."""
-    if lifespan:
-        async with LifespanManager(app), client_for(app) as client:
-            yield client
-    else:
-        async with client_for(app) as client:
-            yield client
 
 
 @pytest.mark.parametrize("lifespan", [True, False], ids=["lifespan", "no-lifespan"])
