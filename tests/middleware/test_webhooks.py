@@ -399,7 +399,6 @@ async def test_the_schema_names_each_routes_key(store: Store) -> None:
         lambda: from_header("not a header"),
         lambda: from_json("data..id"),
         lambda: from_json(""),
-        lambda: idempotent(key="webhook-id"),  # type: ignore[arg-type]
     ],
 )
 def test_a_key_source_that_cannot_work_is_refused_at_start_up(make: Callable[[], object]) -> None:
