@@ -414,3 +414,38 @@ def test_a_per_attempt_header_is_never_a_credential_or_fingerprinted(
     given: dict[str, Any] = {option: ["Webhook-Signature"]}
     with pytest.raises(ConfigurationError, match="webhook-signature"):
         IdempotencyMiddleware(FastAPI(), store=store, **given)
+
+
+async def standard_sender(event: Annotated[Any, Depends(standard_event)]) -> str:
+    return "billing-sender"
+
+
+async def test_a_scope_from_the_verifying_dependency_replays_to_the_sender_only(
+    store: Store,
+) -> None:
+    # The claim waits for the scope's dependency, so verification comes before any replay: a
+    # forger who has a message's id and body gets 401, never the recorded answer.
+    app = FastAPI()
+    runs: list[str] = []
+
+    @app.post("/webhooks/billing")
+    @idempotent(key=from_header("webhook-id"), required=True, scope=Depends(standard_sender))
+    async def billing(event: Annotated[Any, Depends(standard_event)]) -> dict[str, int]:
+        runs.append(event["type"])
+        return {"run": len(runs)}
+
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    at = attempts(3)
+    forged = standard_delivery("msg_1", STANDARD_PAYLOAD, at[1], secret="whsec_b3RoZXI=")
+    async with client_for(app) as client:
+        genuine, forger, again = [
+            await client.post("/webhooks/billing", content=STANDARD_PAYLOAD, headers=headers)
+            for headers in (
+                standard_delivery("msg_1", STANDARD_PAYLOAD, at[0]),
+                forged,
+                standard_delivery("msg_1", STANDARD_PAYLOAD, at[2]),
+            )
+        ]
+    assert (genuine.status_code, forger.status_code, again.status_code) == (200, 401, 200)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert runs == ["invoice.paid"]
