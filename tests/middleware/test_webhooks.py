@@ -22,6 +22,10 @@ import pytest
 import stripe
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from standardwebhooks import Webhook, WebhookVerificationError
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from idempotency_mw import (
     ConfigurationError,
@@ -184,6 +188,11 @@ async def test_standard_webhooks_redeliveries_get_the_first_answer(
     assert [a.status_code for a in answers] == [200] * 4
     assert {a.content for a in answers} == {b'{"effect":1,"of":"invoice.paid"}'}
     assert [a.headers.get("idempotent-replayed") for a in answers] == [None] + ["true"] * 3
+    # The same headers too, but for the replay's own (what it is, until when it is kept).
+    own = {"idempotent-replayed", "idempotency-key-expires"}
+    assert (
+        len({frozenset((k, v) for k, v in a.headers.items() if k not in own) for a in answers}) == 1
+    )
 
 
 async def test_concurrent_deliveries_of_one_message_run_once(backend_store: Store) -> None:
@@ -449,3 +458,31 @@ async def test_a_scope_from_the_verifying_dependency_replays_to_the_sender_only(
     assert (genuine.status_code, forger.status_code, again.status_code) == (200, 401, 200)
     assert again.headers["idempotent-replayed"] == "true"
     assert runs == ["invoice.paid"]
+
+
+async def test_a_starlette_route_of_routes_reads_its_key_from_the_body(store: Store) -> None:
+    runs: list[bytes] = []
+
+    async def hooks(request: Request) -> JSONResponse:
+        runs.append(await request.body())
+        return JSONResponse({"run": len(runs)}, status_code=202)
+
+    routes: dict[str, RouteOptions] = {
+        "/hooks/*": {"key": from_json("data.object.id"), "required": True}
+    }
+    app = Starlette(
+        routes=[Route("/hooks/{sender}", hooks, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=store, routes=routes)],
+    )
+    first = b'{"data": {"object": {"id": "obj_1"}}}'
+    # The same event again, its JSON written otherwise: another request under the same key.
+    reworded = b'{"data":{"object":{"id":"obj_1"}}}'
+    async with client_for(app) as client:
+        answers = [
+            await client.post("/hooks/a", content=content)
+            for content in (first, first, reworded, b'{"data": {}}')
+        ]
+    assert [a.status_code for a in answers] == [202, 202, 409, 400]
+    assert answers[1].headers["idempotent-replayed"] == "true"
+    assert answers[2].json()["type"].endswith(":mismatch")
+    assert runs == [first]

@@ -12,6 +12,7 @@ import httpx
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.responses import StreamingResponse
+from starlette.applications import Starlette
 
 from idempotency_mw import IdempotencyMiddleware, Store, StoreError, idempotent
 
@@ -127,7 +128,7 @@ def http_scope(
     }
 
 
-def client_for(app: FastAPI) -> httpx.AsyncClient:
+def client_for(app: Starlette) -> httpx.AsyncClient:
     """An httpx client that calls the app in process."""
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     return httpx.AsyncClient(transport=transport, base_url="http://testserver")
