@@ -486,3 +486,13 @@ async def test_a_starlette_route_of_routes_reads_its_key_from_the_body(store: St
     assert answers[1].headers["idempotent-replayed"] == "true"
     assert answers[2].json()["type"].endswith(":mismatch")
     assert runs == [first]
+
+
+async def test_a_body_too_large_for_its_key_to_be_read_is_a_413(store: Store) -> None:
+    app = webhook_app(store, max_request_bytes=64)
+    body = json.dumps({"id": "evt_1", "padding": "x" * 64}).encode()
+    async with client_for(app) as client:
+        answer = await client.post("/webhooks/stripe", content=body)
+    assert answer.status_code == 413
+    assert answer.json()["type"].endswith(":request-too-large")
+    assert app.state.effects == []
