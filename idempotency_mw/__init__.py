@@ -41,6 +41,7 @@ from idempotency_mw.values.exceptions import (
 )
 from idempotency_mw.values.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.values.settings import CallOptions, RouteOptions
+from idempotency_mw.wire import KeySource, from_header, from_json
 
 if TYPE_CHECKING:
     from idempotency_mw.stores.redis import RedisStore
@@ -63,6 +64,7 @@ __all__ = [
     "JSONCodec",
     "KeyExpired",
     "KeyReused",
+    "KeySource",
     "LeaseLost",
     "PurgeSchedule",
     "RedisStore",
@@ -78,6 +80,8 @@ __all__ = [
     "downstream_key",
     "fence",
     "fence_sync",
+    "from_header",
+    "from_json",
     "idempotent",
     "install",
     "store_lifespan",

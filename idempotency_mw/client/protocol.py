@@ -57,14 +57,13 @@ from idempotency_mw.http.retention import FIRST_SENT_HEADER, http_date, parse_ht
 from idempotency_mw.values.exceptions import ConfigurationError
 from idempotency_mw.values.metrics import EventHook, guard
 from idempotency_mw.values.records import KeyState
-from idempotency_mw.wire import MAX_KEY_LENGTH
+from idempotency_mw.wire import HEADER_NAME, MAX_KEY_LENGTH
 
 logger = logging.getLogger("idempotency_mw.client")
 
 T = TypeVar("T")
 
 KEY_PART = re.compile(r"[A-Za-z0-9._~-]{1,64}")
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 #: The server's default TTL is 24 hours: an hour of margin for clocks and slow reconciles.
 DEFAULT_RETENTION = timedelta(hours=23)
@@ -252,7 +251,7 @@ class Protocol:
         session = session_id if session_id is not None else secrets.token_hex(4)
         if not KEY_PART.fullmatch(session):
             raise ConfigurationError(f"session_id must match {KEY_PART.pattern}")
-        if not _HEADER_NAME.fullmatch(header_name):
+        if not HEADER_NAME.fullmatch(header_name):
             raise ConfigurationError("header_name must be a non-empty HTTP header name")
         if retention <= timedelta(0):
             raise ConfigurationError("retention must be positive")
@@ -262,7 +261,7 @@ class Protocol:
             not lookup_path.startswith("/") or lookup_path.endswith("/")
         ):
             raise ConfigurationError("lookup_path must start with '/' and not end with one")
-        if first_sent_header is not None and not _HEADER_NAME.fullmatch(first_sent_header):
+        if first_sent_header is not None and not HEADER_NAME.fullmatch(first_sent_header):
             raise ConfigurationError("first_sent_header must be an HTTP header name")
         self._build = build_request
         self.policy = policy or RetryPolicy()

@@ -111,28 +111,26 @@ class Exchange:
         #: ``fence()`` found an earlier run's proof: the app's database decides this key.
         self._refused_by_proof = False
 
-    async def run(self, *, doors: str | None) -> None:
+    async def run(self, *, doors: str | None, body: bytes | None = None) -> None:
         """Handle the request; ``doors``: which doors its route has (see
         :func:`~idempotency_mw.http.door.doors_of`; ``None``: none, so whatever the app answers
-        counts as the endpoint's)."""
+        counts as the endpoint's); ``body``: the request's, when it was read already (its key
+        is in it)."""
         self._doors = doors
         options = self.options
-        declared = self.headers.get("content-length", [""])[0]
-        # ASCII digits only, and few enough of them for int(): the server may not have checked.
-        if (
-            declared.isascii()
-            and declared.isdigit()
-            and (len(declared) > 18 or int(declared) > self.settings.max_request_bytes)
-        ):
-            await self._too_large()
-            return
-        body = await self._read_body()
         if body is None:
-            return
+            body = await read_body(self.receive, self.send, self.headers, self.settings, options)
+            if body is None:
+                return
         caller = await caller_scope(self.options, self.scope, self.send)
         if caller is None:
             return
-        self._caller = caller
+        # A route that reads its own key keeps its keys apart: two senders may use one id.
+        self._caller = (
+            caller
+            if self.settings.key is None
+            else f"{caller} {self.scope['method']} {self.template}".lstrip()
+        )
         self._binding = credential_binding(self.options, self.scope, self.headers)
         self._fingerprint = self._request_fingerprint(body)
         scoped = self.settings.scoped
@@ -449,26 +447,43 @@ class Exchange:
     async def _problem(self, problem: Problem, status: int, detail: str) -> None:
         await send_problem(self.send, problem, status, detail, retry_after=self.options.retry_after)
 
-    async def _read_body(self) -> bytes | None:
-        """The whole request body, or ``None`` when the client left (or was answered 413)."""
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk: bytes = message.get("body", b"")
-            size += len(chunk)
-            if size > self.settings.max_request_bytes:
-                await self._too_large()
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
 
-    async def _too_large(self) -> None:
-        await self._problem(
-            Problem.TOO_LARGE,
-            413,
-            f"Request bodies of this route are limited to {self.settings.max_request_bytes} bytes.",
-        )
+async def read_body(
+    receive: Receive,
+    send: Send,
+    headers: dict[str, list[str]],
+    settings: Settings,
+    options: Options,
+) -> bytes | None:
+    """The whole request body, or ``None`` when the client left or the body is larger than the
+    route's ``max_request_bytes`` (answered 413, whether its length was declared or not)."""
+    limit = settings.max_request_bytes
+    declared = headers.get("content-length", [""])[0]
+    # ASCII digits only, and few enough of them for int(): the server may not have checked.
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        await _too_large(send, limit, options)
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            await _too_large(send, limit, options)
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _too_large(send: Send, limit: int, options: Options) -> None:
+    await send_problem(
+        send,
+        Problem.TOO_LARGE,
+        413,
+        f"Request bodies of this route are limited to {limit} bytes.",
+        retry_after=options.retry_after,
+    )

@@ -15,9 +15,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from idempotency_mw.engine.claim import ClaimEngine
 from idempotency_mw.engine.cleanup import PurgeSchedule
 from idempotency_mw.engine.fence import UNKEYED, current_claim
-from idempotency_mw.http._asgi import invalid_key_detail, parse_key, request_headers
+from idempotency_mw.http._asgi import ReplayReceive, invalid_key_detail, parse_key, request_headers
 from idempotency_mw.http.door import give_door
-from idempotency_mw.http.exchange import Exchange
+from idempotency_mw.http.exchange import Exchange, read_body
 from idempotency_mw.http.lifespan import run_lifespan, store_lifespan
 from idempotency_mw.http.lookup import answer_lookup, looked_up_key
 from idempotency_mw.http.openapi import document_openapi
@@ -38,6 +38,7 @@ from idempotency_mw.stores.base import Store
 from idempotency_mw.values.metrics import EventHook
 from idempotency_mw.values.problems import Problem, send_problem
 from idempotency_mw.values.settings import LeaseLostAction, RouteOptions
+from idempotency_mw.wire import NotAKey
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -53,7 +54,7 @@ class IdempotencyMiddleware:
     after FastAPI's validation and the route's dependencies; the others get theirs before the
     app's first request, lifespan or not). The route settings given here by name
     (:class:`~idempotency_mw.RouteOptions`: ``ttl``, ``lease``, ``required``, ``wait``,
-    ``fingerprint``, ``release_statuses``, ``fenced``, ``max_request_bytes``) are every
+    ``fingerprint``, ``release_statuses``, ``fenced``, ``max_request_bytes``, ``key``) are every
     route's defaults; ``@idempotent`` and the ``routes`` mapping override them per route. An
     app whose routes the middleware cannot read (Litestar, a bare ASGI callable) is guarded by
     method and path. During the app's lifespan the store is checked, expired records are
@@ -135,34 +136,58 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         settings = options.defaults.merge(resolved.policy)
-        headers = request_headers(scope, options.read_headers)
-        raw_keys = headers.get(options.header_name.lower(), [])
-        # An OASIS caller sends its key as the request id: the same key, or a second one.
-        ids = headers.get(options.request_id_header or "", [])
-        if ids:
-            raw_keys = ids if raw_keys in ([], ids) else raw_keys + ids
+        source = settings.key
+        headers = request_headers(
+            scope,
+            options.read_headers
+            if source is None or source.in_body
+            else options.read_headers | {source.name.lower().encode("latin-1")},
+        )
+        body: bytes | None = None
+        ids: list[str] = []
+        if source is None:
+            name = options.header_name
+            raw_keys = headers.get(name.lower(), [])
+            # An OASIS caller sends its key as the request id: the same key, or a second one.
+            ids = headers.get(options.request_id_header or "", [])
+            if ids:
+                raw_keys = ids if raw_keys in ([], ids) else raw_keys + ids
+        elif not source.in_body:
+            name = source.name
+            raw_keys = headers.get(name.lower(), [])
+        else:
+            # The body is read once: its key now, its fingerprint and the app's copy later.
+            name = source.label
+            body = await read_body(receive, send, headers, settings, options)
+            if body is None:
+                return
+            try:
+                found = source.in_json(body)
+            except NotAKey as exc:
+                await send_problem(send, Problem.INVALID_KEY, 400, f"{exc}.")
+                return
+            raw_keys = [] if found is None else [found]
         if not raw_keys:
             if settings.required:
                 await send_problem(
-                    send,
-                    Problem.MISSING_KEY,
-                    400,
-                    f"This operation requires {options.header_name}.",
+                    send, Problem.MISSING_KEY, 400, f"This operation requires {name}."
                 )
             else:
                 # A guarded route without a key: fence() has nothing to mark, and says so.
                 unkeyed = current_claim.set(UNKEYED)
                 try:
-                    await self.app(scope, receive, send)
+                    await self.app(
+                        scope, receive if body is None else ReplayReceive(body, receive), send
+                    )
                 finally:
                     current_claim.reset(unkeyed)
             return
         key = parse_key(raw_keys[0]) if len(raw_keys) == 1 else None
         if key is None:
             detail = (
-                f"Send one {options.header_name} header"
+                f"Send one {name} header"
                 if len(raw_keys) > 1
-                else invalid_key_detail(options.header_name, raw_keys[0])
+                else invalid_key_detail(name, raw_keys[0])
             )
             await send_problem(send, Problem.INVALID_KEY, 400, detail + ".")
             return
@@ -192,7 +217,7 @@ class IdempotencyMiddleware:
             resolved.template,
             settings,
         )
-        await exchange.run(doors=resolved.doors)
+        await exchange.run(doors=resolved.doors, body=body)
 
     def _prepare(self, app: object) -> None:
         """Document ``app``'s schema and give its routes their doors: once, before its first

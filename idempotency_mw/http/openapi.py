@@ -1,10 +1,12 @@
 """Documents idempotency in a FastAPI application's OpenAPI schema.
 
-Every operation the middleware guards gets the key header (required where a key is required)
-and the first-sent header, its key's retention (``x-idempotency``: ``retention_seconds``, the
-route's ``ttl``), the problem answers the middleware may give instead of the app's, the
-``Idempotent-Replayed`` header of replayed responses and the ``Idempotency-Key-Expires`` header
-of keyed answers; with ``lookup_path``, the lookup by key is an operation of its own.
+Every operation the middleware guards gets the key header (required where a key is required;
+the route's own with ``key=from_header(...)``, none with ``key=from_json(...)``) and the
+first-sent header, its key's retention and source (``x-idempotency``: ``retention_seconds``,
+the route's ``ttl``; ``key_field``, the JSON body's field with the key), the problem answers
+the middleware may give instead of the app's, the ``Idempotent-Replayed`` header of replayed
+responses and the ``Idempotency-Key-Expires`` header of keyed answers; with ``lookup_path``,
+the lookup by key is an operation of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from idempotency_mw.http.policy import RouteTable, app_routes
 from idempotency_mw.http.retention import EXPIRES_HEADER, FIRST_SENT_HEADER
 from idempotency_mw.values.problems import Problem
 from idempotency_mw.values.records import KeyState
+from idempotency_mw.values.settings import Settings
+from idempotency_mw.wire import MAX_KEY_LENGTH
 
 _MARK = "__idempotency_documented__"
 _PROBLEM_SCHEMA = "IdempotencyProblem"
@@ -77,8 +81,11 @@ def _document(
             # Policies name the full template, as requests reach it through the mounts.
             policy = routes.policy_for(method, prefix + route.template, route.endpoint)
             settings = options.defaults.merge(policy)
-            _document_operation(operation, options, required=settings.required)
-            operation.setdefault("x-idempotency", {"retention_seconds": settings.ttl})
+            _document_operation(operation, options, settings)
+            documented: dict[str, object] = {"retention_seconds": settings.ttl}
+            if settings.key is not None and settings.key.in_body:
+                documented["key_field"] = settings.key.name
+            operation.setdefault("x-idempotency", documented)
             guarded = True
     if options.lookup_path is not None and not prefix:
         paths.setdefault(options.lookup_path + "/{key}", {"get": _lookup_operation()})
@@ -87,16 +94,18 @@ def _document(
         schemas.setdefault(_PROBLEM_SCHEMA, _problem_schema())
 
 
-def _document_operation(operation: dict[str, Any], options: Options, *, required: bool) -> None:
+def _document_operation(operation: dict[str, Any], options: Options, settings: Settings) -> None:
     parameters: list[dict[str, Any]] = operation.setdefault("parameters", [])
-    _add_header(
-        parameters,
-        options.header_name,
-        required=required,
-        description="Unique key of this operation, reused on every retry: a repeat gets the "
-        "recorded response instead of running the operation again.",
-        schema={"type": "string", "minLength": 1, "maxLength": 255},
-    )
+    source = settings.key
+    if source is None or not source.in_body:
+        _add_header(
+            parameters,
+            options.header_name if source is None else source.name,
+            required=settings.required,
+            description="Unique key of this operation, reused on every retry: a repeat gets "
+            "the recorded response instead of running the operation again.",
+            schema={"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH},
+        )
     _add_header(
         parameters,
         FIRST_SENT_HEADER,

@@ -13,6 +13,7 @@ from idempotency_mw.stores.base import KeyLookup, Store, takes_keyword
 from idempotency_mw.values.exceptions import ConfigurationError
 from idempotency_mw.values.metrics import EventHook, guard
 from idempotency_mw.values.settings import LeaseLostAction, RouteOptions, Settings, settings_of
+from idempotency_mw.wire import PER_ATTEMPT_HEADERS
 
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: Headers left out of a record: credentials a handler may echo, challenges, hop-by-hop headers.
@@ -132,6 +133,12 @@ def build_options(
     )
     credentials = tuple(sorted({name.lower() for name in credential_headers}))
     fingerprinted = tuple(sorted({name.lower() for name in fingerprint_headers}))
+    per_attempt = sorted(PER_ATTEMPT_HEADERS.intersection((*credentials, *fingerprinted)))
+    if per_attempt:
+        raise ConfigurationError(
+            f"{per_attempt} change with every delivery attempt: as credentials or in the "
+            "fingerprint, every re-delivery of a message would be refused with 409"
+        )
     return Options(
         store=store,
         defaults=settings_of(settings),

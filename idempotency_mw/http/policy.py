@@ -37,7 +37,7 @@ def idempotent(
 
     ``options`` are the route's settings (:class:`~idempotency_mw.RouteOptions`: ``ttl``,
     ``required``, ``lease``, ``release_statuses``, ``fingerprint``, ``wait``, ``fenced``,
-    ``max_request_bytes``): what they set overrides the middleware's defaults and the
+    ``max_request_bytes``, ``key``): what they set overrides the middleware's defaults and the
     ``routes`` mapping.
     ``scope``: a FastAPI dependency (``Depends(current_user)``) whose value, a non-empty
     string, is the caller's scope of this route's keys; its own errors (a 401) are the app's

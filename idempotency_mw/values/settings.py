@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any, Literal, TypedDict
 
 from idempotency_mw.values.exceptions import ConfigurationError
+from idempotency_mw.wire import KeySource
 
 #: What becomes of work whose lease could not be proven: stopped, or left to go on unprotected.
 LeaseLostAction = Literal["cancel", "continue"]
@@ -61,6 +62,11 @@ class RouteOptions(CallOptions, total=False):
     of recorded: none by default (every answer below 500 is recorded)."""
     max_request_bytes: int
     """The largest keyed request body the route fingerprints (413 above): 1 MiB by default."""
+    key: KeySource
+    """Where the route's requests carry their key: ``from_header("webhook-id")``, or
+    ``from_json("data.object.id")`` for a field of a JSON body; the middleware's
+    ``header_name`` by default. Keys so found are the route's own: the same key on another
+    route is another request (unless ``@idempotent(scope=...)`` names a shared scope)."""
 
 
 def to_seconds(value: Duration, name: str, *, zero: bool = False) -> float:
@@ -111,6 +117,14 @@ def _is_refusal(status: object) -> bool:
     return isinstance(status, int) and not isinstance(status, bool) and 400 <= status <= 499
 
 
+def _key_source(value: object, name: str) -> KeySource:
+    if not isinstance(value, KeySource):
+        raise ConfigurationError(
+            f"{name} must be from_header(...) or from_json(...), got {value!r}"
+        )
+    return value
+
+
 def _byte_count(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigurationError(f"{name} must be a number of bytes (0 or more), got {value!r}")
@@ -135,6 +149,8 @@ class Settings:
     release_statuses: frozenset[int] = field(default=frozenset(), metadata={_CHECK: _statuses})
     fenced: bool = field(default=False, metadata={_CHECK: _flag})
     max_request_bytes: int = field(default=1 << 20, metadata={_CHECK: _byte_count})
+    #: ``None``: the middleware's ``header_name`` (and its OASIS request id header).
+    key: KeySource | None = field(default=None, metadata={_CHECK: _key_source})
     #: Set by ``@idempotent(scope=...)``, never by name: the caller's scope comes from the
     #: endpoint's dependency.
     scoped: bool = False

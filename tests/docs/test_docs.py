@@ -34,8 +34,9 @@ from tests.support.warm import WarmPython
 
 #: The extras the blocks need, and the framework and server the package leaves to its user.
 EXTRAS = "postgresql,mysql,redis,client,prometheus,otel,mcp,example,panel"
-#: What pages use beside the package: the SDKs whose calls they show a key for.
-PAGE_PACKAGES = ("openai", "anthropic")
+#: What pages use beside the package: the SDKs whose calls they show a key for, and the
+#: webhook senders' libraries that verify their signatures.
+PAGE_PACKAGES = ("openai", "anthropic", "standardwebhooks", "stripe")
 #: What most pages import, imported once by the python the pages run in.
 PRELOADED = ["idempotency_mw", "fastapi", "httpx", "sqlalchemy.ext.asyncio"]
 RUFF = Path(sys.executable).parent / "ruff"

@@ -63,6 +63,7 @@ BAD: list[tuple[str, object]] = [
     ("fenced", "yes"),
     ("max_request_bytes", -1),
     ("max_request_bytes", "1MB"),
+    ("key", "webhook-id"),
 ]
 
 
@@ -93,7 +94,7 @@ def test_an_unknown_name_is_refused_by_every_entry_naming_it(entry: str) -> None
 
 
 @pytest.mark.parametrize("entry", CALL_ENTRIES)
-@pytest.mark.parametrize("name", ["required", "release_statuses", "max_request_bytes"])
+@pytest.mark.parametrize("name", ["required", "release_statuses", "max_request_bytes", "key"])
 def test_a_route_setting_given_to_a_call_entry_is_refused_naming_it(entry: str, name: str) -> None:
     with pytest.raises(ConfigurationError, match=rf"unknown settings: \['{name}'\]"):
         CALL_ENTRIES[entry]({name: getattr(Settings(), name)})

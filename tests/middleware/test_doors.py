@@ -8,8 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 import pytest
@@ -28,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from idempotency_mw import IdempotencyMiddleware, Store, idempotent, install
 from idempotency_mw.http.door import RouteDoor
 from idempotency_mw.testing import MemoryStore
-from tests.support.apps import client_for
+from tests.support.apps import client_for, started
 from tests.support.faults import serve
 
 pytestmark = pytest.mark.anyio
@@ -123,17 +122,6 @@ def starlette_service(store: Store, *, installed: bool = False) -> Starlette:
         install(app, store=store)
     app.state.runs = runs
     return app
-
-
-@asynccontextmanager
-async def started(app: Any, lifespan: bool) -> AsyncIterator[httpx.AsyncClient]:
-    """A client of ``app``, run with its lifespan or, as many test clients do, without."""
-    if lifespan:
-        async with LifespanManager(app), client_for(app) as client:
-            yield client
-    else:
-        async with client_for(app) as client:
-            yield client
 
 
 @pytest.mark.parametrize("lifespan", [True, False], ids=["lifespan", "no-lifespan"])

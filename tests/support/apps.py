@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import httpx
+from asgi_lifespan import LifespanManager
 from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.responses import StreamingResponse
+from starlette.applications import Starlette
 
 from idempotency_mw import IdempotencyMiddleware, Store, StoreError, idempotent
 
@@ -125,10 +128,21 @@ def http_scope(
     }
 
 
-def client_for(app: FastAPI) -> httpx.AsyncClient:
+def client_for(app: Starlette) -> httpx.AsyncClient:
     """An httpx client that calls the app in process."""
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     return httpx.AsyncClient(transport=transport, base_url="http://testserver")
+
+
+@asynccontextmanager
+async def started(app: Any, lifespan: bool) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of ``app``, run with its lifespan or, as many test clients do, without."""
+    if lifespan:
+        async with LifespanManager(app), client_for(app) as client:
+            yield client
+    else:
+        async with client_for(app) as client:
+            yield client
 
 
 class PausableStore:
