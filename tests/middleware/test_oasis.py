@@ -261,3 +261,33 @@ async def test_a_first_sent_time_too_old_is_rejected() -> None:
     assert (answer.status_code, result(answer)) == (412, "rejected")
     assert (bad.status_code, problem(bad), result(bad)) == (400, "invalid-first-sent", "rejected")
     assert "Repeatability-First-Sent" in bad.json()["detail"]
+
+
+async def test_the_openapi_schema_documents_the_oasis_headers_and_a_whole_retention() -> None:
+    app = service(MemoryStore(), ttl=600)
+    custom = service(
+        MemoryStore(), request_id_header=None, first_sent_header="X-First-Sent", ttl=0.5
+    )
+    async with client_for(app) as client, client_for(custom) as other:
+        schema = (await client.get("/openapi.json")).json()
+        raw = (await client.get("/openapi.json")).text
+        custom_schema = (await other.get("/openapi.json")).json()
+    operation = schema["paths"]["/tickets"]["post"]
+    headers = {p["name"]: p for p in operation["parameters"] if p["in"] == "header"}
+    assert headers.keys() >= {
+        "Idempotency-Key",
+        "Repeatability-Request-ID",
+        "Repeatability-First-Sent",
+    }
+    assert headers["Repeatability-Request-ID"]["required"] is False
+    assert "Repeatability-Result" in operation["responses"]["201"]["headers"]
+    assert "Repeatability-Result" in operation["responses"]["409"]["headers"]
+    retention = operation["x-idempotency"]["retention_seconds"]
+    assert (retention, type(retention)) == (600, int)
+    assert '"retention_seconds":600}' in raw
+    theirs = custom_schema["paths"]["/tickets"]["post"]
+    names = {p["name"] for p in theirs["parameters"] if p["in"] == "header"}
+    assert names >= {"Idempotency-Key", "X-First-Sent"}
+    assert not names & {"Repeatability-Request-ID", "Repeatability-First-Sent"}
+    assert "Repeatability-Result" not in theirs["responses"]["201"]["headers"]
+    assert theirs["x-idempotency"]["retention_seconds"] == 0.5
