@@ -68,6 +68,40 @@ async def test_a_run_and_its_replay_are_accepted() -> None:
     assert app.state.calls["tickets"] == 1
 
 
+async def test_a_request_id_without_a_first_sent_time_is_a_key() -> None:
+    # azure-communication-chat sends the request id alone: lenient on purpose (the docs' table).
+    app = service(MemoryStore())
+    alone = {"Repeatability-Request-ID": "r-1"}
+    async with client_for(app) as client:
+        first = await client.post("/tickets", json={}, headers=alone)
+        again = await client.post("/tickets", json={}, headers=alone)
+    assert (first.status_code, result(first)) == (201, "accepted")
+    assert (again.headers["idempotent-replayed"], result(again)) == ("true", "accepted")
+    assert app.state.calls["tickets"] == 1
+
+
+async def test_requests_refused_before_any_claim_are_rejected() -> None:
+    def failing_scope(request: object) -> str:
+        raise RuntimeError("the token service is down")
+
+    app = service(MemoryStore(), max_request_bytes=10)
+    unscoped = service(MemoryStore(), scope=failing_scope)
+    async with client_for(app) as client, client_for(unscoped) as other:
+        large = await client.post("/tickets", json={"x": "y" * 20}, headers=oasis("r-1"))
+        no_scope = await other.post("/tickets", json={}, headers=oasis("r-2"))
+    assert (large.status_code, problem(large), result(large)) == (
+        413,
+        "request-too-large",
+        "rejected",
+    )
+    assert (no_scope.status_code, problem(no_scope), result(no_scope)) == (
+        500,
+        "scope-failed",
+        "rejected",
+    )
+    assert app.state.calls["tickets"] == unscoped.state.calls["tickets"] == 0
+
+
 async def test_a_request_id_reused_for_another_request_is_rejected() -> None:
     # 3.2.1.1: accepted means this request was executed once; it never runs under this key.
     app = service(MemoryStore())
