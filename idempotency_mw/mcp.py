@@ -67,8 +67,10 @@ logger = logging.getLogger("idempotency_mw")
 #: Where a call carries its key: ``params._meta[META_KEY]`` (the client's, too).
 META_KEY = "idempotencyKey"
 #: The JSON-RPC error code of every refusal; ``data`` is the problem (its ``type`` says which,
-#: as in the middleware's problem+json answers).
-IDEMPOTENCY_ERROR = -32030
+#: as in the middleware's problem+json answers, and callers read that, whatever the code).
+#: Outside JSON-RPC's reserved -32768..-32000, where MCP 2026-07-28 wants new codes
+#: (-32020..-32099 are its own); earlier versions sent -32030.
+IDEMPOTENCY_ERROR = -31030
 #: What a protected tool's ``_meta`` says, so that an agent can tell it from another.
 TOOL_META: dict[str, Any] = {"idempotency": {"key": f"_meta.{META_KEY}"}}
 #: Where a call says when its caller first sent it: an HTTP-date or an RFC 3339 date-time.

@@ -176,9 +176,11 @@ class Exchange:
             ) as hold:
                 await self._run_held(hold, call, claimed, body, recorder)
         finally:
-            # The exchange, its recorder and its hold refer to one another: let go of them, so
-            # that the request's objects are freed with it instead of left to the collector.
+            # The exchange, its recorder, its hold and its answers' rule refer to one another:
+            # let go of them, so that the request's objects are freed with it instead of left
+            # to the collector.
             self._hold = self._recorder = None
+            self.answers.finished()
 
     async def _run_held(
         self,
@@ -336,13 +338,13 @@ class Exchange:
                     "request with a new key.",
                 )
                 return None
-            self.answers.ran(self.settings.ttl, self.settings.release_statuses)
+            self.answers.ran(self.settings.ttl, self._keeps)
             return claim
         if claim.outcome is ClaimOutcome.IN_PROGRESS:
             # Kept until ttl after the running request's completion: later than now + ttl.
             self.answers.ran(self.settings.ttl)
         else:
-            self.answers.found(claim.expires_at)
+            self.answers.found(claim.expires_at, claim.outcome)
         if claim.outcome is ClaimOutcome.REPLAY:
             assert claim.response is not None
             await send_replay(self.send, claim.response)
@@ -402,13 +404,7 @@ class Exchange:
         ``release_statuses``, and a framework's request validation answer (FastAPI's 422 on a
         route without an endpoint's door, Litestar's 400): it came before the endpoint."""
         status = recorder.status
-        if (
-            status is None
-            or not (self._began or self._entry_fenced())
-            or (status >= 500 and not self.options.store_server_errors)
-            or status in self.settings.release_statuses
-            or recorder.is_request_validation_error()
-        ):
+        if status is None or not self._keeps(status) or recorder.is_request_validation_error():
             await call.release(token)
             return
         response = recorder.stored_response()
@@ -421,6 +417,17 @@ class Exchange:
                 recorder.unreplayable_reason or "it was cut short",
             )
         await call.complete(token, response, fenced=self._entry_fenced() or self._refused_by_proof)
+
+    def _keeps(self, status: int) -> bool:
+        """Whether an answer of ``status`` is recorded, as far as its status line tells (a
+        framework's validation answer is told by its body): the endpoint began or
+        ``fence()`` marked an effect, and neither a 5xx (unless ``store_server_errors``) nor
+        one of the route's ``release_statuses``."""
+        return (
+            (self._began or self._entry_fenced())
+            and (status < 500 or self.options.store_server_errors)
+            and status not in self.settings.release_statuses
+        )
 
     def _entry_fenced(self) -> bool:
         return isinstance(self._entry, CurrentClaim) and self._entry.fenced

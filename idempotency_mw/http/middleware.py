@@ -24,6 +24,7 @@ from idempotency_mw.http.openapi import document_openapi
 from idempotency_mw.http.options import (
     DEFAULT_METHODS,
     DEFAULT_UNRECORDED_HEADERS,
+    SAFE_METHODS,
     CallerScope,
     build_options,
 )
@@ -122,49 +123,66 @@ class IdempotencyMiddleware:
             # Without a lifespan (a TestClient used without `with`), the first request does it.
             self._prepare(app)
         options = self.options
-        if scope["method"] not in options.methods:
-            if options.lookup_path is not None and scope["method"] == "GET":
+        method = scope["method"]
+        if method not in options.methods:
+            if options.lookup_path is not None and method == "GET":
                 raw = looked_up_key(scope, options.lookup_path)
                 if raw is not None:
                     await answer_lookup(options, scope, send, raw)
                     return
-            await self.app(scope, receive, send)
+            if method in SAFE_METHODS or not self._repeatable(scope):
+                await self.app(scope, receive, send)
+                return
+            # Sent as repeatable with a method this middleware does not guard (OASIS 3.1.1).
+            answers = KeyAnswers(send, oasis=True)
+            if self.routes.resolve(app, scope) is None:
+                await self.app(scope, receive, answers.send)  # the app's own 404 or 405
+                return
+            await send_problem(
+                answers.send,
+                Problem.NOT_REPEATABLE,
+                501,
+                f"{method} requests are not made repeatable here: send it without "
+                f"{options.request_id_header}, or use a method of {sorted(options.methods)}.",
+            )
             return
+        headers = request_headers(scope, options.read_headers)
+        keyed = headers.get(options.header_name.lower(), [])
+        # An OASIS caller sends its key as the request id: the same key, or a second one.
+        ids = headers.get((options.request_id_header or "").lower(), [])
+        answers = KeyAnswers(send, oasis=bool(ids))
         resolved = self.routes.resolve(app, scope)
         if resolved is None:
             # The app answers 404 or 405: nothing runs, so there is nothing to guard or record.
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, answers.send)
             return
         settings = options.defaults.merge(resolved.policy)
         source = settings.key
-        headers = request_headers(
-            scope,
-            options.read_headers
-            if source is None or source.in_body
-            else options.read_headers | {source.name.lower().encode("latin-1")},
-        )
         body: bytes | None = None
-        ids: list[str] = []
         if source is None:
             name = options.header_name
-            raw_keys = headers.get(name.lower(), [])
-            # An OASIS caller sends its key as the request id: the same key, or a second one.
-            ids = headers.get(options.request_id_header or "", [])
-            if ids:
-                raw_keys = ids if raw_keys in ([], ids) else raw_keys + ids
+            raw_keys = ids if keyed in ([], ids) else keyed + ids
+            # What the caller is told names the header its key came in.
+            key_header = " or ".join(
+                header
+                for header, given in ((name, keyed), (options.request_id_header, ids))
+                if given and header is not None
+            )
         elif not source.in_body:
-            name = source.name
-            raw_keys = headers.get(name.lower(), [])
+            name = key_header = source.name
+            raw_keys = request_headers(scope, frozenset({name.lower().encode("latin-1")})).get(
+                name.lower(), []
+            )
         else:
             # The body is read once: its key now, its fingerprint and the app's copy later.
-            name = source.label
-            body = await read_body(receive, send, headers, settings, options)
+            name = key_header = source.label
+            body = await read_body(receive, answers.send, headers, settings, options)
             if body is None:
                 return
             try:
                 found = source.in_json(body)
             except NotAKey as exc:
-                await send_problem(send, Problem.INVALID_KEY, 400, f"{exc}.")
+                await send_problem(answers.send, Problem.INVALID_KEY, 400, f"{exc}.")
                 return
             raw_keys = [] if found is None else [found]
         if not raw_keys:
@@ -185,14 +203,13 @@ class IdempotencyMiddleware:
         key = parse_key(raw_keys[0]) if len(raw_keys) == 1 else None
         if key is None:
             detail = (
-                f"Send one {name} header"
+                f"Send one {key_header} header"
                 if len(raw_keys) > 1
-                else invalid_key_detail(name, raw_keys[0])
+                else invalid_key_detail(key_header, raw_keys[0])
             )
-            await send_problem(send, Problem.INVALID_KEY, 400, detail + ".")
+            await send_problem(answers.send, Problem.INVALID_KEY, 400, detail + ".")
             return
-        answers = KeyAnswers(send, oasis=bool(ids))
-        sent = headers.get(options.first_sent_header)
+        sent = headers.get(options.first_sent_header.lower())
         if sent:
             answers.first_sent = parse_http_date(sent[0]) if len(sent) == 1 else None
             if answers.first_sent is None:
@@ -218,6 +235,13 @@ class IdempotencyMiddleware:
             settings,
         )
         await exchange.run(doors=resolved.doors, body=body)
+
+    def _repeatable(self, scope: Scope) -> bool:
+        """Whether the request was sent as repeatable: it carries the OASIS request id."""
+        name = self.options.request_id_header
+        return name is not None and bool(
+            request_headers(scope, frozenset({name.lower().encode("latin-1")}))
+        )
 
     def _prepare(self, app: object) -> None:
         """Document ``app``'s schema and give its routes their doors: once, before its first

@@ -1,12 +1,13 @@
 """Documents idempotency in a FastAPI application's OpenAPI schema.
 
 Every operation the middleware guards gets the key header (required where a key is required;
-the route's own with ``key=from_header(...)``, none with ``key=from_json(...)``) and the
-first-sent header, its key's retention and source (``x-idempotency``: ``retention_seconds``,
-the route's ``ttl``; ``key_field``, the JSON body's field with the key), the problem answers
-the middleware may give instead of the app's, the ``Idempotent-Replayed`` header of replayed
-responses and the ``Idempotency-Key-Expires`` header of keyed answers; with ``lookup_path``,
-the lookup by key is an operation of its own.
+the route's own with ``key=from_header(...)``, none with ``key=from_json(...)``), the OASIS
+request id and first-sent headers, its key's retention and source (``x-idempotency``:
+``retention_seconds``, the route's ``ttl``; ``key_field``, the JSON body's field with the key),
+the problem answers the middleware may give instead of the app's, the ``Idempotent-Replayed``
+header of replayed responses, the ``Idempotency-Key-Expires`` header of keyed answers and the
+``Repeatability-Result`` header of every answer to an OASIS caller; with ``lookup_path``, the
+lookup by key is an operation of its own.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from idempotency_mw.http.options import Options
 from idempotency_mw.http.policy import RouteTable, app_routes
-from idempotency_mw.http.retention import EXPIRES_HEADER, FIRST_SENT_HEADER
+from idempotency_mw.http.retention import EXPIRES_HEADER, RESULT_HEADER
 from idempotency_mw.values.problems import Problem
 from idempotency_mw.values.records import KeyState
 from idempotency_mw.values.settings import Settings
@@ -82,7 +83,8 @@ def _document(
             policy = routes.policy_for(method, prefix + route.template, route.endpoint)
             settings = options.defaults.merge(policy)
             _document_operation(operation, options, settings)
-            documented: dict[str, object] = {"retention_seconds": settings.ttl}
+            ttl = int(settings.ttl) if settings.ttl.is_integer() else settings.ttl
+            documented: dict[str, object] = {"retention_seconds": ttl}
             if settings.key is not None and settings.key.in_body:
                 documented["key_field"] = settings.key.name
             operation.setdefault("x-idempotency", documented)
@@ -106,9 +108,18 @@ def _document_operation(operation: dict[str, Any], options: Options, settings: S
             "the recorded response instead of running the operation again.",
             schema={"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH},
         )
+    if source is None and options.request_id_header is not None:
+        _add_header(
+            parameters,
+            options.request_id_header,
+            required=False,
+            description=f"The key as an OASIS Repeatable Requests client sends it (instead of "
+            f"{options.header_name}); every answer then says {RESULT_HEADER}.",
+            schema={"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH},
+        )
     _add_header(
         parameters,
-        FIRST_SENT_HEADER,
+        options.first_sent_header,
         required=False,
         description="When this operation was first sent (an HTTP-date), on every retry: a "
         "retry older than the key's retention, whose key has no record, is refused with 412 "
@@ -133,6 +144,8 @@ def _document_operation(operation: dict[str, Any], options: Options, settings: S
             )
         if status.startswith(("2", "409")):
             response.setdefault("headers", {}).setdefault(EXPIRES_HEADER, _EXPIRES)
+        if options.request_id_header is not None:
+            response.setdefault("headers", {}).setdefault(RESULT_HEADER, _RESULT)
 
 
 def _add_header(
@@ -163,6 +176,13 @@ _EXPIRES = {
     "description": "Until when (at least) the key's record is kept: a retry with the key "
     "before then is replayed or refused, never run again.",
     "schema": {"type": "string"},
+}
+
+
+_RESULT = {
+    "description": "Sent when the request carried Repeatability-Request-ID: `accepted` when the "
+    "key's record holds this request's one execution, `rejected` otherwise.",
+    "schema": {"type": "string", "enum": ["accepted", "rejected"]},
 }
 
 

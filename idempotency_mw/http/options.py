@@ -16,6 +16,8 @@ from idempotency_mw.values.settings import LeaseLostAction, RouteOptions, Settin
 from idempotency_mw.wire import PER_ATTEMPT_HEADERS
 
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+#: Methods without effects (RFC 9110): repeatable by nature, never refused for a request id.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: Headers left out of a record: credentials a handler may echo, challenges, hop-by-hop headers.
 DEFAULT_UNRECORDED_HEADERS = frozenset(
     {
@@ -48,9 +50,9 @@ class Options:
     defaults: Settings
     methods: frozenset[str]
     header_name: str
-    #: The OASIS key header, lower case (``None``: not read).
+    #: The OASIS key header (``None``: not read).
     request_id_header: str | None
-    #: The first-sent time's header, lower case.
+    #: The first-sent time's header.
     first_sent_header: str
     #: Where ``GET <lookup_path>/<key>`` is answered (``None``: nowhere).
     lookup_path: str | None
@@ -144,8 +146,8 @@ def build_options(
         defaults=settings_of(settings),
         methods=frozenset(method.upper() for method in methods),
         header_name=header_name,
-        request_id_header=None if request_id_header is None else request_id_header.lower(),
-        first_sent_header=first_sent_header.lower(),
+        request_id_header=request_id_header,
+        first_sent_header=first_sent_header,
         lookup_path=lookup_path,
         read_headers=frozenset(
             name.lower().encode("latin-1")

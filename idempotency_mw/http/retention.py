@@ -6,9 +6,10 @@ from its completion, so the date, taken when its answer starts, is never late). 
 send the time it first sent the operation, ``Repeatability-First-Sent`` (an HTTP-date, as the
 OASIS Repeatable Requests specification defines it): when the key has no record and that time
 is older than the route's ``ttl`` (or further ahead than :data:`FIRST_SENT_SKEW`), the record
-may have been purged, so the request is refused with 412 instead of run as if new. Callers
-that send their key as ``Repeatability-Request-ID`` (OASIS) are also told
-``Repeatability-Result: accepted`` (their key is kept) or ``rejected``.
+may have been purged, so the request is refused with 412 instead of run as if new. Every
+answer to a caller that sends its key as ``Repeatability-Request-ID`` (OASIS) says
+``Repeatability-Result``: ``accepted`` when the key's record holds this very request's one
+execution, ``rejected`` otherwise (see :meth:`KeyAnswers.accepted`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from email.utils import formatdate, parsedate_to_datetime
 
 from starlette.types import Message, Send
 
+from idempotency_mw.values.records import ClaimOutcome
+
 EXPIRES_HEADER = "Idempotency-Key-Expires"
 FIRST_SENT_HEADER = "Repeatability-First-Sent"
 REQUEST_ID_HEADER = "Repeatability-Request-ID"
@@ -29,6 +32,13 @@ RESULT_HEADER = "Repeatability-Result"
 #: How far ahead of the server's clock a first-sent time may be (the caller's clock runs
 #: ahead). An older one is never excused: refusing early is safe, running late is not.
 FIRST_SENT_SKEW = 30.0
+#: The outcomes whose record is another request's: the key reused for another request, or
+#: by other credentials. This request never runs under the key (OASIS 3.2.1.1: ``rejected``).
+_ANOTHER_REQUESTS = frozenset({ClaimOutcome.MISMATCH, ClaimOutcome.CREDENTIAL_MISMATCH})
+
+
+def _below_500(status: int) -> bool:
+    return status < 500
 
 
 def http_date(seconds: float) -> str:
@@ -77,7 +87,8 @@ class KeyAnswers:
 
     The exchange tells it what the claim found (:meth:`found`, :meth:`ran`); what the app
     sends is recorded before it passes here, so a replay carries the date of its record, not
-    the first answer's.
+    the first answer's. An answer given before any claim (a bad key, the store unavailable,
+    a route the app does not have) says nothing of a kept key.
     """
 
     def __init__(
@@ -93,28 +104,43 @@ class KeyAnswers:
         self.first_sent = first_sent
         self._clock = clock
         self._expires_at: float | None = None
-        #: A first run's retention, counted from its answer (statuses it releases excepted).
+        #: A first run's retention, counted from its answer, for the statuses ``_keeps``.
         self._ttl: float | None = None
-        self._released: frozenset[int] = frozenset()
+        self._keeps: Callable[[int], bool] = _below_500
+        #: Whether the claim found (or took) this request's own record.
+        self._own = False
         self._rejected = False
 
     def refuses(self, ttl: float) -> bool:
         """Whether a key claimed afresh must be refused as too old (see :func:`too_old`)."""
         return too_old(self.first_sent, ttl, self._clock())
 
-    def found(self, expires_at: float | None) -> None:
-        """The claim found the caller's record, kept until ``expires_at`` (if known)."""
+    def found(self, expires_at: float | None, outcome: ClaimOutcome | None = None) -> None:
+        """The claim found a record with ``outcome``, kept until ``expires_at`` (if known);
+        ``None``: a lookup, which only tells the date."""
         self._expires_at = expires_at
+        self._own = outcome is not None and outcome not in _ANOTHER_REQUESTS
 
-    def ran(self, ttl: float, released: frozenset[int] = frozenset()) -> None:
-        """The key's record is kept ``ttl`` from the answer's end at least, unless its status
-        is ``released`` (or a 5xx, which releases the key): the claim was acquired, or another
-        request holds the key (its record is kept ``ttl`` from its completion)."""
-        self._ttl, self._released = ttl, released
+    def ran(self, ttl: float, keeps: Callable[[int], bool] = _below_500) -> None:
+        """The key's record is kept ``ttl`` from the answer's end at least if ``keeps`` its
+        status (else the key is released): the claim was acquired, or another request with
+        the same key and body holds it (its record is kept ``ttl`` from its completion)."""
+        self._ttl, self._keeps, self._own = ttl, keeps, True
+
+    def finished(self) -> None:
+        """The request is over: let go of the rule :meth:`ran` was given."""
+        self._keeps = _below_500
 
     def reject(self) -> None:
-        """The request is refused for its first-sent time (or its key): nothing is kept."""
+        """The request is refused for its first-sent time: nothing is kept."""
         self._rejected = True
+
+    def accepted(self, status: int) -> bool:
+        """OASIS ``Repeatability-Result`` (3.2.1) of an answer of ``status``: ``accepted``
+        when the key's record holds this very request's one execution (run, running,
+        replayed, or told it ran), ``rejected`` for every other answer: refused before a
+        claim, another request's key, a first-sent time too old, a released key."""
+        return self._own and not self._rejected and (self._ttl is None or self._keeps(status))
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -126,11 +152,11 @@ class KeyAnswers:
     def _headers(self, status: int) -> list[tuple[bytes, bytes]]:
         expires = self._expires_at
         if self._ttl is not None:
-            kept = status < 500 and status not in self._released
-            expires = self._clock() + self._ttl if kept else None
+            expires = self._clock() + self._ttl if self._keeps(status) else None
         extra = []
         if expires is not None and not self._rejected:
             extra.append((b"idempotency-key-expires", http_date(expires).encode()))
-        if self._oasis and (self._rejected or expires is not None):
-            extra.append((b"repeatability-result", b"rejected" if self._rejected else b"accepted"))
+        if self._oasis:
+            result = b"accepted" if self.accepted(status) else b"rejected"
+            extra.append((b"repeatability-result", result))
         return extra

@@ -37,6 +37,7 @@ class Problem(enum.Enum):
         "Idempotency-Key first sent longer ago than this server keeps keys",
     )
     INVALID_FIRST_SENT = ("invalid-first-sent", "Invalid Repeatability-First-Sent")
+    NOT_REPEATABLE = ("not-repeatable", "This request cannot be made repeatable")
 
     @property
     def type_uri(self) -> str:
@@ -59,6 +60,7 @@ RETRYABLE: Mapping[Problem, bool] = {
     Problem.TOO_LARGE: False,
     Problem.EXPIRED_KEY: False,
     Problem.INVALID_FIRST_SENT: False,
+    Problem.NOT_REPEATABLE: False,
     Problem.IN_PROGRESS: True,
     Problem.STORE_UNAVAILABLE: True,
     Problem.LEASE_LOST: True,

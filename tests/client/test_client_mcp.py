@@ -26,6 +26,7 @@ from mcp_types import (
 
 from idempotency_mw import ConfigurationError
 from idempotency_mw.client import (
+    CommittedWithoutResponse,
     IdempotencyKeyMismatch,
     OperationState,
     OutcomeUnknown,
@@ -41,7 +42,7 @@ from idempotency_mw.client.mcp import (
     ToolStep,
     tool_result,
 )
-from idempotency_mw.mcp import IdempotentTools
+from idempotency_mw.mcp import IDEMPOTENCY_ERROR, IdempotentTools
 from idempotency_mw.testing import MemoryStore
 from tests.support.client_support import FakeTime
 
@@ -292,3 +293,27 @@ async def test_a_tool_that_crashed_and_was_released_is_sent_again(
     assert text(result) == "booked r-1"
     assert tools.keys("book") == [key, key]
     assert state is OperationState.CONFIRMED
+
+
+@pytest.mark.parametrize("code", [IDEMPOTENCY_ERROR, -32030], ids=["current", "older-server"])
+async def test_a_refusal_is_read_by_its_problem_type_whatever_its_code(
+    tmp_path: Path, fake_time: FakeTime, code: int
+) -> None:
+    """Servers of earlier versions refused with -32030: the caller reads ``data.type``."""
+    tools = Tools()
+
+    @tools.server.tool()
+    async def pay(order: str, ctx: Context) -> str:
+        await tools._run("pay", ctx)
+        problem = "urn:idempotency-mw:problem:committed-without-response"
+        data = {"type": problem, "title": "Committed", "status": 409, "detail": "it took effect"}
+        raise MCPError(code, "Committed: it took effect", data=data)
+
+    async with calling(tools, tmp_path, fake_time, PATIENT) as caller:
+        op = await caller.operation("pay", ref="P-1")
+        with pytest.raises(CommittedWithoutResponse):
+            await caller.send(op, {"order": "o-1"})
+        entry = caller.client.journal.get(op.key)
+    assert tools.keys("pay") == [op.key]
+    assert entry is not None
+    assert entry.state is OperationState.CONFIRMED

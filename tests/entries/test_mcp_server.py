@@ -162,6 +162,33 @@ async def test_streamable_http_retries_in_the_same_and_a_new_session(
     assert await count(database, "create_ticket") == 1
 
 
+async def test_refusals_over_http_in_the_sdks_default_mode_are_read_by_the_caller(
+    server: MCPServer, database: str, tmp_path: Path
+) -> None:
+    """The SDK's Client as it comes (mode="auto": MCP 2026-07-28, stateless) over streamable
+    HTTP: the refusal's code is outside JSON-RPC's reserved range, and the caller reads it."""
+    policy = RetryPolicy(backoff_base=0.0, read_timeout=5.0)
+    async with (
+        serving(server, json_response=True) as url,
+        Client(url) as session,
+        IdempotentToolCaller(
+            session, journal=tmp_path / "journal.sqlite3", policy=policy
+        ) as caller,
+    ):
+        version = session.protocol_version
+        op = await caller.operation("create_ticket", ref="T-1")
+        await caller.send(op, {"title": "t"})
+        with pytest.raises(MCPError) as refused:
+            await session.call_tool("create_ticket", {"title": "x"}, meta=key_meta(op.key))
+        with pytest.raises(IdempotencyKeyMismatch):
+            await caller.client.send(op, "POST", "/tools/create_ticket", json={"title": "x"})
+    assert version == "2026-07-28"
+    assert refused.value.code == IDEMPOTENCY_ERROR
+    assert not -32768 <= refused.value.code <= -32000
+    assert refused.value.data["type"] == "urn:idempotency-mw:problem:mismatch"
+    assert await count(database, "create_ticket") == 1
+
+
 async def test_stdio_retries_in_a_new_server_process(database: str) -> None:
     await (await fresh_sql_store(database)).aclose()
     params = StdioServerParameters(
