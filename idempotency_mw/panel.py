@@ -26,6 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from idempotency_mw.admin import ReleaseOutcome, relative_time, release_record
+from idempotency_mw.credentials import is_credential
 from idempotency_mw.exceptions import ConfigurationError, StoreError, describe, install_extra
 from idempotency_mw.records import RecordStatus, RecordView
 
@@ -41,8 +42,6 @@ __all__ = ["panel"]
 T = TypeVar("T")
 logger = logging.getLogger("idempotency_mw.panel")
 
-#: Request headers whose values the panel never shows.
-_SECRET_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization", "x-api-key"})
 #: Pages are never framed by another site (a click on a confirmation page is the operator's),
 #: run no script, are not cached, and send no referrer (URLs name records).
 _HEADERS = {
@@ -387,10 +386,7 @@ def _templates() -> Jinja2Templates:
 
 def _redacted(headers: Iterable[tuple[str, str]]) -> list[str]:
     """Header lines to show, the values of credentials hidden."""
-    return [
-        f"{name}: {'(hidden)' if name.lower() in _SECRET_HEADERS else value}"
-        for name, value in headers
-    ]
+    return [f"{name}: {'(hidden)' if is_credential(name) else value}" for name, value in headers]
 
 
 def _excerpt(data: bytes) -> str:
