@@ -10,6 +10,7 @@ from starlette.requests import HTTPConnection
 
 from idempotency_mw._asgi import REPLAYED_HEADER
 from idempotency_mw.cleanup import PurgeSchedule
+from idempotency_mw.credentials import CREDENTIAL_HEADERS
 from idempotency_mw.exceptions import ConfigurationError
 from idempotency_mw.metrics import EventHook, guard
 from idempotency_mw.settings import RouteOptions, Settings, settings_of
@@ -17,14 +18,10 @@ from idempotency_mw.stores.base import KeyLookup, Store, takes_keyword
 
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: Headers left out of a record: credentials a handler may echo, challenges, hop-by-hop headers.
-DEFAULT_UNRECORDED_HEADERS = frozenset(
+DEFAULT_UNRECORDED_HEADERS = CREDENTIAL_HEADERS | frozenset(
     {
-        "set-cookie",
         "www-authenticate",
         "proxy-authenticate",
-        "authorization",
-        "proxy-authorization",
-        "cookie",
         "connection",
         "keep-alive",
         "proxy-connection",
@@ -60,7 +57,8 @@ class Options:
     read_headers: frozenset[bytes]
     routes: Mapping[str, RouteOptions]
     caller_scope: CallerScope | None
-    credential_headers: tuple[str, ...]
+    #: The headers a record is bound to (``None``: those the rule of :mod:`credentials` names).
+    credential_headers: tuple[str, ...] | None
     credential_cookies: tuple[str, ...]
     fingerprint_headers: tuple[str, ...]
     max_response_bytes: int
@@ -86,7 +84,7 @@ def build_options(
     lookup_path: str | None,
     routes: Mapping[str, RouteOptions] | None,
     scope: CallerScope | None,
-    credential_headers: Iterable[str],
+    credential_headers: Iterable[str] | None,
     credential_cookies: Iterable[str],
     fingerprint_headers: Iterable[str],
     max_response_bytes: int,
@@ -132,7 +130,11 @@ def build_options(
         if replay_headers_allow is None
         else frozenset(h.lower().encode("latin-1") for h in replay_headers_allow) - deny
     )
-    credentials = tuple(sorted({name.lower() for name in credential_headers}))
+    credentials = (
+        None
+        if credential_headers is None
+        else tuple(sorted({name.lower() for name in credential_headers}))
+    )
     fingerprinted = tuple(sorted({name.lower() for name in fingerprint_headers}))
     return Options(
         store=store,
@@ -150,7 +152,7 @@ def build_options(
                 first_sent_header,
                 "content-length",
                 "content-type",
-                *credentials,
+                *(credentials or ()),
                 *fingerprinted,
             )
         ),

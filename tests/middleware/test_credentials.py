@@ -49,6 +49,19 @@ async def test_another_callers_credentials_never_get_the_record(store: Store) ->
     assert app.state.runs == 1
 
 
+async def test_api_key_headers_are_credentials_by_default(store: Store) -> None:
+    app = service(store)
+    async with client_for(app) as client:
+        await client.post("/notes", headers=headers("k", **{"X-Goog-Api-Key": "a"}))
+        other = await client.post("/notes", headers=headers("k", **{"X-Goog-Api-Key": "b"}))
+        vendor = await client.post("/notes", headers=headers("v", **{"X-Acme-Token": "a"}))
+        other_vendor = await client.post("/notes", headers=headers("v", **{"X-Acme-Token": "b"}))
+    assert other.json()["type"].endswith("credential-mismatch")
+    assert other_vendor.json()["type"].endswith("credential-mismatch")
+    assert vendor.status_code == 201
+    assert app.state.runs == 2
+
+
 async def test_with_scope_the_scope_decides(store: Store) -> None:
     app = service(store, scope=lambda connection: connection.headers.get("x-user", "anon"))
     async with client_for(app) as client:
