@@ -41,8 +41,8 @@ from mcp_types import (
 )
 from starlette.requests import HTTPConnection
 
+from idempotency_mw.credentials import bound_headers, credential_digest
 from idempotency_mw.engine.fence import UNKEYED, CurrentClaim, current_claim
-from idempotency_mw.engine.fingerprint import credential_digest
 from idempotency_mw.functions import (
     COMMITTED_WITHOUT_RESULT,
     CommittedWithoutResult,
@@ -299,14 +299,14 @@ class KeyLookupResult(Result):
 def caller_binding(ctx: ServerRequestContext[Any, Any]) -> str:
     """A digest of the caller's credentials: the SDK's authenticated principal (the client,
     issuer and subject it binds sessions to, which a refreshed token keeps), else the
-    ``Authorization`` header of the HTTP request that carried the call; ``""`` without any
-    (stdio, in process)."""
+    credentials of the HTTP request that carried the call, as the middleware binds them by
+    default; ``""`` without any (stdio, in process)."""
     principal = authenticated_principal(ctx)
     if principal is not None:
         return credential_digest([("mcp-principal", principal)])
     request = ctx.request
     if isinstance(request, HTTPConnection):
-        values = [("authorization", value) for value in request.headers.getlist("authorization")]
+        values = bound_headers(request.headers.items())
         if values:
             return credential_digest(values)
     return ""

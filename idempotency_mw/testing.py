@@ -171,10 +171,14 @@ class MemoryStore(ClaimsWithToken):
     async def release(self, scope: str, key: str, token: str) -> bool:
         return self._change(scope, key, token, lambda record, now: None)
 
-    async def purge_expired(self, *, batch_size: int) -> int | None:
+    async def purge_expired(self, *, batch_size: int, scope: str | None = None) -> int | None:
         with self._lock:
             now = self._clock()
-            expired = [name for name, record in self._records.items() if record.expired(now)]
+            expired = [
+                name
+                for name, record in self._records.items()
+                if record.expired(now) and scope in (None, name[0])
+            ]
             for name in expired[:batch_size]:
                 del self._records[name]
             return min(len(expired), batch_size)

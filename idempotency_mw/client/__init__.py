@@ -18,6 +18,7 @@ from idempotency_mw.client.attention import AttentionRow, attention_rows
 from idempotency_mw.client.classify import PROBLEM_TYPE_PREFIX, Verdict, classify, retry_after
 from idempotency_mw.client.errors import (
     CommittedWithoutResponse,
+    CredentialsMissing,
     IdempotencyCredentialMismatch,
     IdempotencyKeyMismatch,
     NeedsConfirmation,
@@ -75,6 +76,7 @@ __all__ = [
     "ClientEventHook",
     "ClientMetrics",
     "CommittedWithoutResponse",
+    "CredentialsMissing",
     "IdempotencyCredentialMismatch",
     "IdempotencyKeyMismatch",
     "IdempotentClient",

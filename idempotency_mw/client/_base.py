@@ -30,7 +30,11 @@ class ClientBase(Generic[H]):
         options: ProtocolOptions,
     ) -> None:
         self._protocol = Protocol(
-            http.build_request, clock=clock, probed=frozenset(probed), **options
+            http.build_request,
+            clock=clock,
+            probed=frozenset(probed),
+            authenticates=lambda: http.auth is not None,
+            **options,
         )
         self._http: H = http
         self._owns_http = owns_http

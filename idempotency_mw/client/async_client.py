@@ -103,9 +103,11 @@ class IdempotentClient(ClientBase[httpx.AsyncClient], AClosedOnExit):
         it took effect, its response is not available; ``confirmed``), :class:`NotSent` (no
         attempt left the caller; ``failed``), :class:`OutcomeUnknown` or
         :class:`NeedsConfirmation`. ``keyless=True``: this server does not understand keys.
-        The body is encoded once and journaled with ``headers`` (not the httpx client's own,
-        so credentials stay out of the journal); attempt timeouts come from the
-        :class:`RetryPolicy`.
+        The body is encoded once and journaled with ``headers``, but for their credentials
+        (``Authorization``, ``Cookie``, API-key headers: never journaled). A resend from the
+        journal (after a restart, by :meth:`reconcile`) takes those from the client as
+        configured, and raises :class:`CredentialsMissing` when it has none. Attempt timeouts
+        come from the :class:`RetryPolicy`.
         """
         entry = self._protocol.prepare(operation, method, url, parts, keyless)
         return await self.perform(self._protocol.exchange(entry))

@@ -37,6 +37,22 @@ class IdempotencyCredentialMismatch(OperationError):
     """
 
 
+class CredentialsMissing(OperationError):
+    """An operation sent with credentials of its own is sent again from the journal, which
+    keeps none, and the client configures none of them (``headers`` names them): nothing was
+    sent. Give the client its credentials (``headers=`` or ``auth=``, or the httpx client's
+    own) and send or reconcile it again; the journal keeps it as it was."""
+
+    def __init__(self, key: str, headers: tuple[str, ...]) -> None:
+        names = ", ".join(headers)
+        super().__init__(
+            f"the journal keeps no credentials, and this client configures none for {names}:"
+            " give the client headers= or auth= to send it again with",
+            key,
+        )
+        self.headers = headers
+
+
 class ResponseNotReplayable(OperationError):
     """The operation took effect, but the server cannot give its response (it was too large).
 

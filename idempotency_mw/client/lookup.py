@@ -38,7 +38,7 @@ def lookup_request(
     (the caller's credentials among them) but not its body's."""
     assert entry.url is not None
     url = httpx.URL(entry.url).join(f"{lookup_path}/{quote(entry.key, safe='')}")
-    headers = [(name, value) for name, value in entry.headers if name != "content-type"]
+    headers = [(n, v) for n, v in (*entry.headers, *entry.credentials) if n != "content-type"]
     return build("GET", url, params={"replay": "true"}, headers=headers, timeout=timeout)
 
 

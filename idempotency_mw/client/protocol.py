@@ -32,6 +32,7 @@ from idempotency_mw.client.classify import (
 )
 from idempotency_mw.client.errors import (
     CommittedWithoutResponse,
+    CredentialsMissing,
     IdempotencyCredentialMismatch,
     IdempotencyKeyMismatch,
     NeedsConfirmation,
@@ -52,6 +53,7 @@ from idempotency_mw.client.values import (
     RequestParts,
     RetryPolicy,
 )
+from idempotency_mw.credentials import is_credential
 from idempotency_mw.engine.downstream import operation_key
 from idempotency_mw.http.retention import FIRST_SENT_HEADER, http_date, parse_http_date
 from idempotency_mw.values.exceptions import ConfigurationError
@@ -225,7 +227,9 @@ class Protocol:
     two clients share, with their I/O left to the interpreter that runs the steps.
 
     ``build_request`` is the httpx client's (pure: it only merges the client's base URL and
-    headers); ``probed`` names the operations that have a confirmation probe.
+    headers); ``authenticates`` tells whether the httpx client has an ``auth`` (which then
+    supplies the credentials a resend from the journal lacks); ``probed`` names the
+    operations that have a confirmation probe.
     """
 
     def __init__(
@@ -234,6 +238,7 @@ class Protocol:
         *,
         clock: Callable[[], float],
         probed: frozenset[str],
+        authenticates: Callable[[], bool] = lambda: False,
         policy: RetryPolicy | None = None,
         header_name: str = "Idempotency-Key",
         key_prefix: str = "op",
@@ -264,6 +269,7 @@ class Protocol:
         if first_sent_header is not None and not HEADER_NAME.fullmatch(first_sent_header):
             raise ConfigurationError("first_sent_header must be an HTTP header name")
         self._build = build_request
+        self._authenticates = authenticates
         self.policy = policy or RetryPolicy()
         self.header_name = header_name
         self.key_prefix = key_prefix
@@ -355,7 +361,11 @@ class Protocol:
         )
         given = httpx.Headers(parts.get("headers"))
         unsent = {self.header_name.lower(), "host", "content-length", "transfer-encoding"}
-        headers = [(name, value) for name, value in given.multi_items() if name not in unsent]
+        headers: list[tuple[str, str]] = []
+        credentials: list[tuple[str, str]] = []
+        for name, value in given.multi_items():
+            if name not in unsent:
+                (credentials if is_credential(name) else headers).append((name, value))
         content_type = request.headers.get("content-type")
         if content_type is not None and "content-type" not in given:
             headers.append(("content-type", content_type))
@@ -369,6 +379,8 @@ class Protocol:
             headers=tuple(headers),
             body=request.read(),
             keyless=keyless or self.keyless,
+            withheld=tuple(dict.fromkeys(name for name, _ in credentials)),
+            credentials=tuple(credentials),
         )
 
     # --- One operation -----------------------------------------------------------------------
@@ -436,7 +448,9 @@ class Protocol:
                 first_sent_at=stored.first_sent_at,
                 keyless=request.keyless or stored.keyless,
                 response_headers=stored.response_headers,
+                withheld=tuple(dict.fromkeys((*stored.withheld, *request.withheld))),
             )
+            self._check_credentials(entry)
             maybe = stored.state in MAYBE_DELIVERED
             if maybe and not stored.same_request(request):
                 raise IdempotencyKeyMismatch(
@@ -645,10 +659,24 @@ class Protocol:
             reason = "its first attempt is older than the client's retention"
         return f"needs confirmation: {reason}, and no probe is configured for {entry.name!r}"
 
+    def _check_credentials(self, entry: JournalEntry) -> None:
+        """Raise :class:`CredentialsMissing` unless every credential ``entry`` was sent with is
+        at hand: given with it in this process, or supplied by the client (its default
+        headers or cookies, or its ``auth``, which signs every request)."""
+        given = {name for name, _ in entry.credentials}
+        missing = [name for name in entry.withheld if name not in given]
+        if not missing or self._authenticates():
+            return
+        assert entry.url is not None
+        defaults = self._build(entry.method or "POST", entry.url).headers
+        missing = [name for name in missing if name not in defaults]
+        if missing:
+            raise CredentialsMissing(entry.key, tuple(missing))
+
     def _request(self, entry: JournalEntry, remaining: float) -> httpx.Request:
         assert entry.method is not None
         assert entry.url is not None
-        headers = [*entry.headers, (self.header_name, entry.key)]
+        headers = [*entry.headers, *entry.credentials, (self.header_name, entry.key)]
         if self.first_sent_header is not None and entry.first_sent_at is not None:
             headers.append((self.first_sent_header, http_date(entry.first_sent_at)))
         return self._build(

@@ -20,6 +20,7 @@ import httpx
 
 from idempotency_mw.client.async_client import IdempotentClient
 from idempotency_mw.client.errors import (
+    CredentialsMissing,
     IdempotencyCredentialMismatch,
     IdempotencyKeyMismatch,
     NeedsConfirmation,
@@ -214,7 +215,10 @@ def _settle(
                 result = exc
         else:
             result = yield Call(call, (plan.step_client(stored.operation), *args))
-        if isinstance(result, IdempotencyKeyMismatch | IdempotencyCredentialMismatch):
+        # A caller's bug, or its credentials missing: nothing to compensate, a person fixes it.
+        if isinstance(
+            result, IdempotencyKeyMismatch | IdempotencyCredentialMismatch | CredentialsMissing
+        ):
             raise result
         retry = isinstance(result, OutcomeUnknown) or (not forward and isinstance(result, NotSent))
         if not retry or isinstance(result, NeedsConfirmation) or protocol.clock() >= until:

@@ -6,19 +6,20 @@ import enum
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict
 
 import httpx
 
 from idempotency_mw._backoff import Backoff
+from idempotency_mw.credentials import is_credential
 from idempotency_mw.http.retention import parse_http_date
 from idempotency_mw.values.exceptions import ConfigurationError
 
-#: Response headers a journal does not keep: credentials, and framing that no longer applies
-#: to the decoded body it stores.
+#: Response headers a journal does not keep besides credentials: framing that no longer
+#: applies to the decoded body it stores.
 _UNKEPT_HEADERS = frozenset(
-    {"set-cookie", "content-length", "content-encoding", "transfer-encoding", "connection"}
+    {"content-length", "content-encoding", "transfer-encoding", "connection"}
 )
 
 
@@ -92,6 +93,11 @@ class JournalEntry:
     once the operation is settled with one, so that it is never sent again. ``keyless``: the
     server does not understand keys, so a lost attempt is looked up, not re-sent.
     ``first_sent_at`` is the wall-clock time of the first attempt (Unix seconds).
+
+    No credential is journaled (see :func:`~idempotency_mw.credentials.is_credential`):
+    ``withheld`` names the credential headers the request was given, and ``credentials``
+    holds their values in memory only, for the attempts of this process; a resend from the
+    journal takes them from the client as configured.
     """
 
     key: str
@@ -107,6 +113,8 @@ class JournalEntry:
     first_sent_at: float | None = None
     response_headers: tuple[tuple[str, str], ...] = ()
     response_body: bytes | None = None
+    withheld: tuple[str, ...] = ()
+    credentials: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def operation(self) -> Operation:
@@ -128,7 +136,7 @@ class JournalEntry:
         headers = tuple(
             (name, value)
             for name, value in response.headers.multi_items()
-            if name not in _UNKEPT_HEADERS
+            if name not in _UNKEPT_HEADERS and not is_credential(name)
         )
         return replace(
             self,

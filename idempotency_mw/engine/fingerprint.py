@@ -72,17 +72,6 @@ def _framed(value: bytes) -> bytes:
     return len(value).to_bytes(8, "big") + value
 
 
-def credential_digest(values: Sequence[tuple[str, str]]) -> str:
-    """Hex SHA-256 over length-prefixed credential names and values (never stored in clear)."""
-    digest = hashlib.sha256()
-    for name, value in values:
-        for field in (name, value):
-            encoded = field.encode("utf-8", "surrogateescape")
-            digest.update(len(encoded).to_bytes(8, "big"))
-            digest.update(encoded)
-    return digest.hexdigest()
-
-
 def canonical_json(body: bytes) -> bytes | None:
     """A JSON body in canonical form (sorted keys, no insignificant whitespace, numbers as
     parsed), or ``None`` when the body is not JSON (it is then fingerprinted as bytes)."""

@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection
 from starlette.types import Scope, Send
 
-from idempotency_mw.engine.fingerprint import credential_digest
+from idempotency_mw.credentials import bound_headers, credential_digest
 from idempotency_mw.http.options import Options
 from idempotency_mw.values.problems import Problem, send_http_problem, send_problem
 
@@ -22,13 +22,20 @@ def credential_binding(options: Options, scope: Scope, headers: dict[str, list[s
     """A digest of the caller's credentials, which the record is bound to.
 
     Without a ``scope`` option a record is bound by checking: the same key sent with other
-    credentials never gets this record. With ``scope``, the scope alone decides.
+    credentials never gets this record. With ``scope``, the scope alone decides. The
+    credentials are the ``credential_headers`` (by default every header
+    :func:`~idempotency_mw.credentials.is_bound` names) and ``credential_cookies``.
     """
     if options.caller_scope is not None:
         return ""
-    values = [
-        (name, value) for name in options.credential_headers for value in headers.get(name, ())
-    ]
+    if options.credential_headers is None:
+        values = bound_headers(
+            (name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]
+        )
+    else:
+        values = [
+            (name, value) for name in options.credential_headers for value in headers.get(name, ())
+        ]
     if options.credential_cookies:
         cookies = HTTPConnection(scope).cookies
         values += [

@@ -76,7 +76,7 @@ class IdempotencyMiddleware:
         lookup_path: str | None = None,
         routes: Mapping[str, RouteOptions] | None = None,
         scope: CallerScope | None = None,
-        credential_headers: Iterable[str] = ("authorization",),
+        credential_headers: Iterable[str] | None = None,
         credential_cookies: Iterable[str] = (),
         fingerprint_headers: Iterable[str] = (),
         max_response_bytes: int = 1 << 20,

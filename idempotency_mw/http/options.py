@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
+from idempotency_mw.credentials import CREDENTIAL_HEADERS
 from idempotency_mw.engine.cleanup import PurgeSchedule
 from idempotency_mw.http._asgi import REPLAYED_HEADER
 from idempotency_mw.stores.base import KeyLookup, Store, takes_keyword
@@ -19,14 +20,10 @@ DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: Methods without effects (RFC 9110): repeatable by nature, never refused for a request id.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: Headers left out of a record: credentials a handler may echo, challenges, hop-by-hop headers.
-DEFAULT_UNRECORDED_HEADERS = frozenset(
+DEFAULT_UNRECORDED_HEADERS = CREDENTIAL_HEADERS | frozenset(
     {
-        "set-cookie",
         "www-authenticate",
         "proxy-authenticate",
-        "authorization",
-        "proxy-authorization",
-        "cookie",
         "connection",
         "keep-alive",
         "proxy-connection",
@@ -61,7 +58,8 @@ class Options:
     read_headers: frozenset[bytes]
     routes: Mapping[str, RouteOptions]
     caller_scope: CallerScope | None
-    credential_headers: tuple[str, ...]
+    #: The headers a record is bound to (``None``: those the rule of :mod:`credentials` names).
+    credential_headers: tuple[str, ...] | None
     credential_cookies: tuple[str, ...]
     fingerprint_headers: tuple[str, ...]
     max_response_bytes: int
@@ -87,7 +85,7 @@ def build_options(
     lookup_path: str | None,
     routes: Mapping[str, RouteOptions] | None,
     scope: CallerScope | None,
-    credential_headers: Iterable[str],
+    credential_headers: Iterable[str] | None,
     credential_cookies: Iterable[str],
     fingerprint_headers: Iterable[str],
     max_response_bytes: int,
@@ -133,9 +131,13 @@ def build_options(
         if replay_headers_allow is None
         else frozenset(h.lower().encode("latin-1") for h in replay_headers_allow) - deny
     )
-    credentials = tuple(sorted({name.lower() for name in credential_headers}))
+    credentials = (
+        None
+        if credential_headers is None
+        else tuple(sorted({name.lower() for name in credential_headers}))
+    )
     fingerprinted = tuple(sorted({name.lower() for name in fingerprint_headers}))
-    per_attempt = sorted(PER_ATTEMPT_HEADERS.intersection((*credentials, *fingerprinted)))
+    per_attempt = sorted(PER_ATTEMPT_HEADERS.intersection((*(credentials or ()), *fingerprinted)))
     if per_attempt:
         raise ConfigurationError(
             f"{per_attempt} change with every delivery attempt: as credentials or in the "
@@ -157,7 +159,7 @@ def build_options(
                 first_sent_header,
                 "content-length",
                 "content-type",
-                *credentials,
+                *(credentials or ()),
                 *fingerprinted,
             )
         ),

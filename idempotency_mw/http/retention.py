@@ -57,7 +57,7 @@ def parse_http_date(value: str) -> float | None:
     ``None`` when ``value`` is not one."""
     try:
         moment = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):  # a year or zone of 11 digits
         return None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)

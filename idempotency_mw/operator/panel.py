@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from idempotency_mw.credentials import is_credential
 from idempotency_mw.operator.admin import ReleaseOutcome, relative_time, release_record
 from idempotency_mw.values.exceptions import ConfigurationError, StoreError, describe, install_extra
 from idempotency_mw.values.records import RecordStatus, RecordView
@@ -41,8 +42,6 @@ __all__ = ["panel"]
 T = TypeVar("T")
 logger = logging.getLogger("idempotency_mw.operator.panel")
 
-#: Request headers whose values the panel never shows.
-_SECRET_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization", "x-api-key"})
 #: Pages are never framed by another site (a click on a confirmation page is the operator's),
 #: run no script, are not cached, and send no referrer (URLs name records).
 _HEADERS = {
@@ -403,10 +402,7 @@ def _templates() -> Jinja2Templates:
 
 def _redacted(headers: Iterable[tuple[str, str]]) -> list[str]:
     """Header lines to show, the values of credentials hidden."""
-    return [
-        f"{name}: {'(hidden)' if name.lower() in _SECRET_HEADERS else value}"
-        for name, value in headers
-    ]
+    return [f"{name}: {'(hidden)' if is_credential(name) else value}" for name, value in headers]
 
 
 def _excerpt(data: bytes) -> str:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import anyio
 import pytest
 import redis
 
+from idempotency_mw import ClaimOutcome, SQLStore
 from idempotency_mw.operator.cli import main
 from idempotency_mw.testing import CASES
 from tests.conftest import REDIS_URL, redis_prefix, require_server
@@ -40,6 +42,37 @@ def test_the_cases_pass_on_sqlite_and_leave_no_record(
     assert_every_case_passed(capsys.readouterr().out)
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT count(*) FROM idempotency_records").fetchone() == (0,)
+
+
+def test_a_run_deletes_no_record_but_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = migrated_sqlite(tmp_path)
+
+    async def foreign_expired() -> str:
+        """A record of the app's, expired (its TTL and lease ended), awaiting its purge."""
+        store = SQLStore(url)
+        try:
+            claim = await store.claim("app", "k", "f", ttl=0.01, lease=0.01)
+            assert claim.outcome is ClaimOutcome.ACQUIRED
+            while (await store.record_stats()).expired != 1:  # noqa: ASYNC110 (polls the store)
+                await anyio.sleep(0.01)
+        finally:
+            await store.aclose()
+        return store.record_ref("app", "k")
+
+    async def found(ref: str) -> bool:
+        store = SQLStore(url)
+        try:
+            return await store.find_record(ref) is not None
+        finally:
+            await store.aclose()
+
+    ref = anyio.run(foreign_expired)
+    capsys.readouterr()
+    assert main(["conformance", "--store", url, *FAST]) == 0
+    assert_every_case_passed(capsys.readouterr().out)
+    assert anyio.run(found, ref)
 
 
 def test_the_cases_pass_on_redis_and_leave_no_key(capsys: pytest.CaptureFixture[str]) -> None:

@@ -57,7 +57,8 @@ async def completed(store: Any, key: str, *, scope: str = "") -> None:
 
 
 def needing_a_person(journal: SQLiteJournal, key: str, name: str, *, url: str) -> JournalEntry:
-    """An operation a saga gave up on, as the journal holds it."""
+    """An operation a saga gave up on, as an older version journaled it: with its
+    credential in clear (read back, it is withheld)."""
     entry = JournalEntry(key=key, name=name, ref=f"ref-{name}", state=OperationState.PENDING)
     journal.add(entry)
     held = JournalEntry(
@@ -142,6 +143,7 @@ async def test_the_overview_shows_the_store_and_the_journal(journal: SQLiteJourn
         assert "upstream unavailable" in shown  # its last answer
         assert "HTTP 503" in shown
         assert "s3cret" not in shown  # credentials are never shown
+        assert "Sent with authorization from the client" in shown
         assert "Mark failed" not in shown
 
 
@@ -314,7 +316,9 @@ async def test_retry_now_sends_the_operation_with_the_client(
     needing_a_person(journal, "k-ticket", "ticket", url=f"{BASE_URL}/tickets")
     transport = httpx.ASGITransport(app=server.app)
     async with (
-        httpx.AsyncClient(transport=transport, base_url=BASE_URL) as to_api,
+        httpx.AsyncClient(
+            transport=transport, base_url=BASE_URL, headers={"Authorization": "Bearer s3cret"}
+        ) as to_api,
         IdempotentClient(http=to_api, journal=journal) as client,
         http_on(
             panel(MemoryStore(), journal=journal, client=client, actions=True, secret=SECRET)

@@ -148,3 +148,28 @@ async def test_the_client_waits_what_retry_after_ms_says(
     assert response.status_code == 201
     assert fake_time.sleeps == [0.25]
     assert len(keys) == 2
+
+
+async def test_a_restarted_client_resends_with_its_own_auth(
+    sqlite_store: SQLStore, journal_path: Path, fake_time: FakeTime
+) -> None:
+    server = Server(sqlite_store)
+    lost = Faulty(server.app, ["lose", "lose", "lose", "lose", "lose", "lose"])
+    plain = httpx.AsyncClient(transport=lost, base_url=BASE_URL)
+    async with IdempotentClient(
+        http=plain, journal=journal_path, sleep=fake_time.sleep, clock=fake_time.clock
+    ) as client:
+        op = await client.operation("create-ticket")
+        with pytest.raises(OperationError):
+            await client.send(
+                op, "POST", "/tickets", json={"title": "t"}, headers={"Authorization": "Bearer t"}
+            )
+        await client.http.aclose()
+    # A new process whose httpx client signs every request: it supplies the credential.
+    again = Faulty(server.app)
+    async with authed_client(again, Rotating("t"), journal_path, fake_time) as client:
+        [settled] = await client.reconcile()
+        await client.http.aclose()
+    assert settled.state is OperationState.CONFIRMED
+    assert [r.headers["authorization"] for r in again.requests] == ["Bearer t"]
+    assert server.calls["tickets"] == 1

@@ -7,17 +7,19 @@ of its own, looks only at those, and deletes them afterwards.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
 import redis
-from sqlalchemy import create_engine, delete
+from sqlalchemy import create_engine, delete, select
 from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -27,6 +29,7 @@ from starlette.routing import Route
 
 from idempotency_mw import ConfigurationError, IdempotencyMiddleware, SchemaError, SQLStore
 from idempotency_mw.client import (
+    CredentialsMissing,
     IdempotentClient,
     Journal,
     JournalEntry,
@@ -52,6 +55,7 @@ from tests.conftest import (
     fresh_journal_table,
     require_server,
 )
+from tests.support.client_support import sqlite_store_at
 
 JOURNALS = ["sqlite-file", "sql-sqlite", "sql-postgresql", "sql-mariadb", "redis"]
 SQL_SERVERS = {"sql-postgresql": POSTGRESQL_URL, "sql-mariadb": MARIADB_URL}
@@ -390,6 +394,103 @@ async def test_restarted_client_resumes_the_key_and_reconcile_settles_it(
     assert again == []
     assert calls["tickets"] == 1
     assert set(lossy.keys + healthy.keys) == {op.key}
+
+
+TOKEN = "Bearer s3cret-token-4f1d"
+API_KEY = "k3y-5ecret-9a7e"
+
+
+def stored_bytes(journal: Journal, prefix: str, tmp_path: Path) -> bytes:
+    """Everything the journal holds on its storage, as raw as it is kept: the SQLite files
+    (with their write-ahead logs), this test's rows on a server, its Redis keys dumped."""
+    if isinstance(journal, RedisJournal):
+        with redis.Redis.from_url(REDIS_URL) as client:
+            return b"".join(
+                cast(bytes, client.dump(key)) for key in client.scan_iter(f"test-{prefix}*")
+            )
+    assert isinstance(journal, SQLJournal)
+    if journal.engine.dialect.name == "sqlite":
+        return b"".join(path.read_bytes() for path in tmp_path.iterdir() if path.is_file())
+    with journal.engine.connect() as conn:
+        rows = conn.execute(
+            select(journal_table).where(journal_table.c.name.startswith(prefix))
+        ).all()
+    return repr(rows).encode()
+
+
+@pytest.mark.anyio
+async def test_no_credential_is_journaled_and_a_restart_resends_with_the_clients_own(
+    open_journal: OpenJournal, prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    store = await sqlite_store_at(tmp_path / "idem.db")
+    runs: list[str] = []
+
+    async def tickets(request: Request) -> Response:
+        runs.append(request.headers["authorization"])
+        return JSONResponse({"id": len(runs)}, 201)
+
+    # The middleware binds the record to Authorization and X-API-Key: a resend without them,
+    # or with others, would be refused 409 credential-mismatch, never replayed.
+    app = Starlette(
+        routes=[Route("/tickets", tickets, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=store)],
+    )
+    inner = open_journal()
+    name = f"{prefix}create-ticket"
+    credentials = {"Authorization": TOKEN, "X-API-Key": API_KEY}
+    lossy = Lossy(app, lose=True)
+    before = IdempotentClient(
+        http=httpx.AsyncClient(transport=lossy, base_url="http://testserver"),
+        journal=Scoped(inner, prefix),
+        policy=RetryPolicy(max_attempts=2, backoff_base=0.0),
+        sleep=no_sleep,
+    )
+    async with before._http:
+        op = await before.operation(name)
+        with pytest.raises(OutcomeUnknown):
+            await before.send(
+                op, "POST", "/tickets", json={"title": "t"}, headers={**credentials, "X-Tag": "a"}
+            )
+        entry = before.journal.get(op.key)
+    assert runs == [TOKEN]  # the attempts of this process carried the call's credentials
+    raw = stored_bytes(inner, prefix, tmp_path)
+    assert b"X-Tag" in raw or b"x-tag" in raw  # the storage read back is the journal's
+    for secret in ("s3cret-token-4f1d", API_KEY):
+        assert secret.encode() not in raw
+        assert secret not in repr(entry)
+        assert secret not in caplog.text
+    assert entry is not None
+    assert entry.withheld == ("authorization", "x-api-key")
+
+    # A new process without the credentials refuses to resend, naming them: nothing is sent.
+    healthy = Lossy(app, lose=False)
+    bare = IdempotentClient(
+        http=httpx.AsyncClient(transport=healthy, base_url="http://testserver"),
+        journal=Scoped(open_journal(), prefix),
+        sleep=no_sleep,
+    )
+    async with bare._http:
+        with pytest.raises(CredentialsMissing) as missing:
+            await bare.send(op, "POST", "/tickets", json={"title": "t"})
+        [kept] = await bare.reconcile()
+    assert missing.value.headers == ("authorization", "x-api-key")
+    assert "authorization, x-api-key" in str(missing.value)
+    assert kept.state is OperationState.UNKNOWN
+    assert healthy.keys == []
+
+    # One configured with them resends with them, and is replayed the first run's answer.
+    http = httpx.AsyncClient(transport=healthy, base_url="http://testserver", headers=credentials)
+    after = IdempotentClient(http=http, journal=Scoped(open_journal(), prefix), sleep=no_sleep)
+    try:
+        async with http:
+            [settled] = await after.reconcile()
+    finally:
+        await after.aclose()
+        await store.aclose()
+    assert (settled.state, settled.status) == (OperationState.CONFIRMED, 201)
+    assert runs == [TOKEN]
+    assert healthy.keys == [op.key]
 
 
 # --- Construction ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from idempotency_mw.client import (
     AsyncAction,
     AsyncStepClient,
     ClientEvent,
+    CredentialsMissing,
     IdempotencyCredentialMismatch,
     IdempotencyKeyMismatch,
     IdempotentClient,
@@ -354,6 +355,52 @@ async def test_a_caller_bug_in_a_step_is_raised_not_compensated(
         with pytest.raises(error):
             await saga.run()
     assert sent == ["/reserve", "/charge"]  # a bug to fix, not a failure to compensate
+
+
+@pytest.mark.anyio
+async def test_a_step_resumed_without_its_credentials_is_raised_not_compensated(
+    fake_time: FakeTime, journal_path: Path
+) -> None:
+    sent: list[tuple[str, str | None]] = []
+    lost = ["/charge"]  # the charge runs; its answer is lost, then the agent dies
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.path, request.headers.get("authorization")))
+        if request.url.path in lost:
+            lost.remove(request.url.path)
+            raise Crash
+        return httpx.Response(201, json={"ok": True})
+
+    async def charge(step: AsyncStepClient) -> httpx.Response:
+        return await step.post("/charge", headers={"Authorization": "Bearer per-call"})
+
+    async def release(step: AsyncStepClient, response: httpx.Response) -> httpx.Response:
+        return await step.post("/release")
+
+    def saga_on(client: IdempotentClient) -> Saga:
+        saga = Saga(client, "order", ref="ORD-9")
+        saga.step("reserve", post("/reserve"), compensate=release)
+        return saga.step("charge", charge)
+
+    def agent() -> IdempotentClient:
+        transport = httpx.MockTransport(handle)
+        http = httpx.AsyncClient(transport=transport, base_url="http://x")
+        return IdempotentClient(
+            http=http, journal=journal_path, sleep=fake_time.sleep, clock=fake_time.clock
+        )
+
+    with pytest.raises(Crash):
+        await run_saga(agent(), saga_on)
+    with pytest.raises(CredentialsMissing) as missing:
+        await run_saga(agent(), saga_on)
+    assert missing.value.headers == ("authorization",)
+    # Sent once with its credential; never again without it, and nothing compensated.
+    assert sent == [("/reserve", None), ("/charge", "Bearer per-call")]
+
+
+async def run_saga(client: IdempotentClient, saga_on: Callable[[IdempotentClient], Saga]) -> Any:
+    async with client.http, client:
+        return await saga_on(client).run()
 
 
 # --- The sync twin, and bad definitions ----------------------------------------------------

@@ -28,6 +28,8 @@ from idempotency_mw.mcp import (
     KeyLookupResult,
     LookupParams,
 )
+from idempotency_mw.testing import MemoryStore
+from tests.middleware.test_after_a_timeout import UNPARSABLE_FIRST_SENT
 
 pytestmark = pytest.mark.anyio
 
@@ -102,6 +104,20 @@ async def test_a_call_first_sent_before_the_retention_and_the_purge_runs_nothing
     assert not fresh.is_error
     assert unparsable.value.error.code == INVALID_PARAMS
     assert runs == ["a", "b"]
+
+
+async def test_an_unparsable_first_sent_time_is_invalid_params_and_runs_nothing() -> None:
+    runs: list[str] = []
+    async with Client(tickets(MemoryStore(), runs)) as client:
+        for n, value in enumerate([*UNPARSABLE_FIRST_SENT, "99999999999-01-01T00:00:00+00:00"]):
+            meta = {"idempotencyKey": f"k{n}", "idempotencyFirstSent": value}
+            with pytest.raises(MCPError) as refused:
+                await client.call_tool(
+                    "create_ticket", {"title": "a"}, meta=cast(RequestParamsMeta, meta)
+                )
+            assert refused.value.error.code == INVALID_PARAMS, value
+            assert "idempotencyFirstSent" in refused.value.error.message
+    assert runs == []
 
 
 async def test_a_caller_looks_its_key_up_without_calling_the_tool(store: Store) -> None:

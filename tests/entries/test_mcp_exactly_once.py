@@ -262,6 +262,31 @@ async def test_two_callers_with_one_key_get_no_shared_result(tools: Tools, trans
     assert tools.effects == ["t"]
 
 
+def sigv4(key_id: str, day: str, signature: str) -> str:
+    return (
+        f"AWS4-HMAC-SHA256 Credential={key_id}/{day}/eu-west-1/execute-api/aws4_request, "
+        f"SignedHeaders=host;x-amz-date, Signature={signature}"
+    )
+
+
+@pytest.mark.parametrize("transport", HTTP)
+async def test_a_call_signed_anew_is_the_same_callers_and_another_key_id_is_not(
+    tools: Tools, transport: str
+) -> None:
+    ticket, key = {"title": "t"}, key_meta("signed-key")
+    async with sessions(tools.server(), transport) as session:
+        async with session(authorization=sigv4("AKID1", "20261207", "0a1b")) as first_call:
+            first = await first_call.call_tool("create", ticket, meta=key)
+        async with session(authorization=sigv4("AKID1", "20261208", "2c3d")) as retry:
+            again = await retry.call_tool("create", ticket, meta=key)
+        async with session(authorization=sigv4("AKID2", "20261208", "2c3d")) as other:
+            with pytest.raises(MCPError) as refused:
+                await other.call_tool("create", ticket, meta=key)
+    assert first.structured_content == again.structured_content == {"id": 1, "title": "t"}
+    assert refused.value.data["type"] == PROBLEM + "credential-mismatch"
+    assert tools.effects == ["t"]
+
+
 class Tokens:
     """A token verifier: each token names its OAuth client and subject (a refreshed token of
     the same subject is another string)."""

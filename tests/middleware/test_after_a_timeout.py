@@ -180,10 +180,20 @@ async def test_a_first_sent_time_ahead_of_the_clock_is_refused(store: Store) -> 
     assert app.state.runs["orders"] == 0
 
 
+#: Not HTTP-dates: prose, a day out of range, and numbers past what a date can hold.
+UNPARSABLE_FIRST_SENT = (
+    "yesterday",
+    "Sun, 99 Nov 1994 08:49:37 GMT",
+    "Sun, 06 Nov 1994 08:49:37 +99999999999999999999",
+    "Sun, 06 Nov 99999999999 08:49:37 GMT",
+    "Sun, 06 Nov 1994 99999999999:49:37 GMT",
+)
+
+
 async def test_an_unparsable_first_sent_time_is_a_400_problem(store: Store) -> None:
     app = service(store)
     async with client_for(app) as client:
-        for value in ("yesterday", "Sun, 99 Nov 1994 08:49:37 GMT", ""):
+        for value in (*UNPARSABLE_FIRST_SENT, ""):
             answer = await client.post(
                 "/orders",
                 json={},

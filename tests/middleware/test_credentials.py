@@ -8,6 +8,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from idempotency_mw import IdempotencyMiddleware, Store
+from idempotency_mw.credentials import credential_digest
 from tests.support.apps import client_for
 
 pytestmark = pytest.mark.anyio
@@ -47,6 +48,19 @@ async def test_another_callers_credentials_never_get_the_record(store: Store) ->
         assert "alice" not in other.text
     assert again.headers["idempotent-replayed"] == "true"
     assert app.state.runs == 1
+
+
+async def test_api_key_headers_are_credentials_by_default(store: Store) -> None:
+    app = service(store)
+    async with client_for(app) as client:
+        await client.post("/notes", headers=headers("k", **{"X-Goog-Api-Key": "a"}))
+        other = await client.post("/notes", headers=headers("k", **{"X-Goog-Api-Key": "b"}))
+        vendor = await client.post("/notes", headers=headers("v", **{"X-Acme-Token": "a"}))
+        other_vendor = await client.post("/notes", headers=headers("v", **{"X-Acme-Token": "b"}))
+    assert other.json()["type"].endswith("credential-mismatch")
+    assert other_vendor.json()["type"].endswith("credential-mismatch")
+    assert vendor.status_code == 201
+    assert app.state.runs == 2
 
 
 async def test_with_scope_the_scope_decides(store: Store) -> None:
@@ -106,3 +120,35 @@ async def test_header_lists_given_as_one_shot_iterables_still_count(store: Store
     assert other_tenant.json()["type"].endswith("mismatch")
     assert not other_tenant.json()["type"].endswith("credential-mismatch")
     assert app.state.runs == 1
+
+
+@pytest.mark.parametrize(
+    ("first", "retry", "same"),
+    [
+        ("Bearer abc", "Bearer abc", True),
+        ("Bearer abc", "Bearer abd", False),
+        ("Basic YTpi", "Basic YTpj", False),
+        (
+            "AWS4-HMAC-SHA256 Credential=AKID/20261207/eu-west-1/s3/aws4_request, "
+            "SignedHeaders=host;x-amz-date, Signature=0a",
+            "AWS4-HMAC-SHA256 Credential=AKID/20261208/eu-west-1/s3/aws4_request, "
+            "SignedHeaders=host;x-amz-date, Signature=1b",
+            True,
+        ),
+        (
+            "AWS4-HMAC-SHA256 Credential=AKID/20261207/eu-west-1/s3/aws4_request, Signature=0a",
+            "AWS4-HMAC-SHA256 Credential=AKIE/20261207/eu-west-1/s3/aws4_request, Signature=0a",
+            False,
+        ),
+        ("HMAC-SHA256 SignedHeaders=x-ms-date&Signature=a=", "HMAC-SHA256 Signature=b=", True),
+        ('Signature keyId="k1",signature="a"', 'Signature keyId="k1",signature="b"', True),
+        ('Signature keyId="k1",signature="a"', 'Signature keyId="k2",signature="a"', False),
+        ("SharedKey account:c2ln", "SharedKey account:b3RoZXI=", True),
+        ("SharedKey account:c2ln", "SharedKey other:c2ln", False),
+    ],
+)
+def test_a_credential_is_bound_by_what_stays_the_same_across_retries(
+    first: str, retry: str, same: bool
+) -> None:
+    digests = {credential_digest([("authorization", value)]) for value in (first, retry)}
+    assert (len(digests) == 1) is same

@@ -159,11 +159,11 @@ class FailingPurges(MemoryStore):
         self.failures = failures
         self.attempts: list[float] = []
 
-    async def purge_expired(self, *, batch_size: int) -> int | None:
+    async def purge_expired(self, *, batch_size: int, scope: str | None = None) -> int | None:
         self.attempts.append(time.monotonic())
         if len(self.attempts) <= self.failures:
             raise self.error
-        return await super().purge_expired(batch_size=batch_size)
+        return await super().purge_expired(batch_size=batch_size, scope=scope)
 
 
 async def test_any_purge_failure_is_logged_counted_and_retried_with_backoff(

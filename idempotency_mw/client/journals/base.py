@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 from idempotency_mw.client.values import JournalEntry, OperationState
+from idempotency_mw.credentials import is_credential
 from idempotency_mw.values.exceptions import ConfigurationError
 
 
@@ -108,7 +109,8 @@ MUTABLE = FIELDS[3:]
 
 
 def to_row(entry: JournalEntry) -> tuple[Any, ...]:
-    """``entry`` as stored: the values of :data:`FIELDS` (headers as JSON, keyless as 0/1)."""
+    """``entry`` as stored: the values of :data:`FIELDS` (headers as JSON, keyless as 0/1).
+    A withheld credential is stored by its name alone, its value ``null``."""
     return (
         entry.key,
         entry.name,
@@ -117,7 +119,7 @@ def to_row(entry: JournalEntry) -> tuple[Any, ...]:
         int(entry.keyless),
         entry.method,
         entry.url,
-        _pack(entry.headers),
+        _pack(entry.headers, entry.withheld),
         entry.body,
         entry.status,
         entry.first_sent_at,
@@ -130,6 +132,7 @@ def from_row(row: Sequence[Any]) -> JournalEntry:
     """The entry stored as ``row`` (the values of :data:`FIELDS`, numbers maybe as text)."""
     (key, name, ref, state, keyless, method, url, headers, body, status, first_sent_at) = row[:11]
     response_headers, response_body = row[11:]
+    kept, withheld = _unpack(headers)
     return JournalEntry(
         key=key,
         name=name,
@@ -137,19 +140,30 @@ def from_row(row: Sequence[Any]) -> JournalEntry:
         state=OperationState(state),
         method=method,
         url=url,
-        headers=_unpack(headers),
+        headers=kept,
+        withheld=withheld,
         body=bytes(body),
         status=None if status is None else int(status),
         keyless=bool(int(keyless)),
         first_sent_at=None if first_sent_at is None else float(first_sent_at),
-        response_headers=_unpack(response_headers),
+        response_headers=_unpack(response_headers)[0],
         response_body=None if response_body is None else bytes(response_body),
     )
 
 
-def _pack(headers: tuple[tuple[str, str], ...]) -> str:
-    return json.dumps([list(pair) for pair in headers])
+def _pack(headers: tuple[tuple[str, str], ...], withheld: tuple[str, ...] = ()) -> str:
+    pairs: list[list[str | None]] = [[name, value] for name, value in headers]
+    return json.dumps([*pairs, *([name, None] for name in withheld)])
 
 
-def _unpack(text: str) -> tuple[tuple[str, str], ...]:
-    return tuple((str(name), str(value)) for name, value in json.loads(text))
+def _unpack(text: str) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """Headers as stored: those kept, and the names of credentials withheld (a credential an
+    older version journaled in clear is withheld from now on, its value dropped)."""
+    kept: list[tuple[str, str]] = []
+    withheld: list[str] = []
+    for name, value in json.loads(text):
+        if value is None or is_credential(name):
+            withheld.append(str(name))
+        else:
+            kept.append((str(name), str(value)))
+    return tuple(kept), tuple(withheld)

@@ -260,7 +260,7 @@ class RedisStore(RedisInspection, ClaimsWithToken):
             )
         )
 
-    async def purge_expired(self, *, batch_size: int) -> int | None:
+    async def purge_expired(self, *, batch_size: int, scope: str | None = None) -> int | None:
         """Nothing to do: Redis deletes records when their TTL ends."""
         return None
 

@@ -296,3 +296,5 @@ def purges_of(table: Table, expired: ColumnElement[bool]) -> dict[str, Executabl
 
 #: Each dialect's purge of expired records, run with ``p_batch_size``.
 PURGES = purges_of(records, EXPIRED)
+#: The same, of one scope's records only (``p_scope``).
+SCOPED_PURGES = purges_of(records, and_(EXPIRED, records.c.scope == bindparam("p_scope")))

@@ -26,6 +26,7 @@ from idempotency_mw.stores.sql.statements import (
     PURGES,
     REFENCE,
     RENEW,
+    SCOPED_PURGES,
     SETTLING,
     SILENT,
 )
@@ -109,6 +110,7 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         dialect = engine.dialect.name
         self._claim_sql = CLAIMS[dialect]
         self._purge = PURGES[dialect]
+        self._scoped_purge = SCOPED_PURGES[dialect]
         self._settling = SETTLING.get(dialect, SILENT) if settlement_notices else SILENT
         settling = self._settling
         # The statements of a first request and of a replay.
@@ -303,9 +305,12 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         """The engine the store runs on: the one it was given, or the one it made."""
         return self._database.engine
 
-    async def purge_expired(self, *, batch_size: int) -> int | None:
-        params = {"p_batch_size": batch_size}
-        return await self._call("purge", lambda ends: self._change(self._purge, params, ends))
+    async def purge_expired(self, *, batch_size: int, scope: str | None = None) -> int | None:
+        params: dict[str, Any] = {"p_batch_size": batch_size}
+        purge = self._purge
+        if scope is not None:
+            params["p_scope"], purge = stored_name(scope), self._scoped_purge
+        return await self._call("purge", lambda ends: self._change(purge, params, ends))
 
     async def startup(self) -> None:
         """Check the table (:class:`~idempotency_mw.values.exceptions.SchemaError` when it is
