@@ -59,6 +59,11 @@ def migration_lock(connection: Connection) -> Iterator[None]:
         raise TimeoutError(f"another migration held {_LOCK_NAME} for {_LOCK_WAIT} s")
     try:
         yield
+    except BaseException:
+        # A failed statement aborts PostgreSQL's transaction, where the unlock would fail too
+        # and hide the first error: end it first (the session's lock outlives it).
+        connection.rollback()
+        raise
     finally:
         connection.exec_driver_sql(unlock)
         connection.commit()
