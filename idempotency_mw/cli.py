@@ -88,17 +88,6 @@ def _migrate(args: argparse.Namespace) -> int:
             command.downgrade(config, args.revision)
     except CommandError as exc:  # an unknown revision and the like
         raise _Failed(str(exc), 2) from exc
-    except Exception as exc:
-        if "already exists" not in str(exc):
-            raise
-        raise _Failed(
-            "the table exists, but no revision of it is recorded here: it was made by another "
-            "Alembic history or create_all. If your own Alembic project includes our revisions "
-            "(recipe B), upgrade there: `alembic upgrade heads`; otherwise (recipe A, "
-            "create_all) keep that history, or record ours in it with "
-            "`alembic stamp idempotency_mw@head`",
-            2,
-        ) from exc
     print(f"{PROG}: {args.command} to {args.revision} done")
     return 0
 
