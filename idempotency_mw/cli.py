@@ -361,7 +361,7 @@ def _print_stats(stats: StoreStats) -> None:
     rows = [("records", f"{stats.total:,}")]
     rows += [(f"  {status}", f"{count:,}") for status, count in stats.by_status.items()]
     fenced = "- (no fenced commits in this store)" if stats.fenced is None else f"{stats.fenced:,}"
-    rows.append(("fenced (effect committed)", fenced))
+    rows.append(("of these, proved by fence()", fenced))  # as the panel says it
     expired = "- (Redis deletes them itself)" if stats.expired is None else f"{stats.expired:,}"
     rows += [
         ("expired, awaiting purge", expired),

@@ -569,7 +569,7 @@ async def test_stats_and_inspect_count_fenced_commits(
     assert shown["fenced"] == 2
     assert shown["by_status"]["completed"] == 2
     code, out, _ = await sql_target.run(capsys, "stats")
-    assert "fenced (effect committed)  2" in out
+    assert "of these, proved by fence()  2" in out
     code, shown = await sql_target.json(capsys, "inspect", "paid")
     assert (shown["status"], shown["fenced"]) == ("completed", True)
     code, shown = await sql_target.json(capsys, "inspect", "plain")
