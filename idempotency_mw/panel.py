@@ -412,8 +412,8 @@ def _why(entry: JournalEntry) -> str:
         reason = confirmation_reason(entry, time.time())
         return (
             f"its outcome is unknown and {reason}, so the client will not send it again "
-            "blindly and no probe could look it up. Check whether it took effect, then mark "
-            "it confirmed or failed"
+            "blindly, and no probe was configured to look it up. Check whether it took "
+            "effect, then mark it confirmed or failed"
         )
     return (
         "a saga gave up on it (a step it could not settle, or a compensation that kept "
