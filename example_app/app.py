@@ -99,11 +99,7 @@ def create_app(
     with the order routes of :mod:`example_app.orders`. ``ticket_ttl``: how long a ticket's
     response is replayed."""
     url = database_url or os.environ.get("EXAMPLE_DATABASE_URL", DEFAULT_DATABASE_URL)
-    # pool_pre_ping: a connection the database closed (a restart, a reset) is replaced before
-    # a handler gets it, instead of failing that handler with a 500.
-    engine: AsyncEngine = create_async_engine(
-        async_url(url), connect_args=_connect_args(url), pool_pre_ping=True
-    )
+    engine = example_engine(url)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -207,9 +203,13 @@ def _create_tables(connection: Connection) -> None:
         connection.commit()
 
 
-def _connect_args(url: str) -> dict[str, object]:
+def example_engine(url: str) -> AsyncEngine:
+    """The example's own engine on ``url`` (its tickets and orders; the store has its own)."""
     # Several workers share one SQLite file: wait for the write lock instead of failing.
-    return {"timeout": 30} if async_url(url).get_backend_name() == "sqlite" else {}
+    connect_args = {"timeout": 30} if async_url(url).get_backend_name() == "sqlite" else {}
+    # pool_pre_ping: a connection the database closed (a restart, a reset) is replaced before
+    # a handler or a tool gets it, instead of failing that call.
+    return create_async_engine(async_url(url), connect_args=connect_args, pool_pre_ping=True)
 
 
 app = create_app()

@@ -18,13 +18,11 @@ import anyio
 from mcp.server.mcpserver import MCPServer
 from pydantic import Field
 from sqlalchemy import insert, select
-from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.applications import Starlette
 
-from example_app.app import DEFAULT_DATABASE_URL, Ticket, _connect_args, metadata, tickets
+from example_app.app import DEFAULT_DATABASE_URL, Ticket, example_engine, metadata, tickets
 from idempotency_mw import SQLStore, fence
 from idempotency_mw.mcp import TOOL_META, IdempotentTools
-from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.migrate import upgrade
 
 #: The database while the server serves: set up (migrations, the example's tables) before,
@@ -39,7 +37,7 @@ def create_server(database_url: str | None = None) -> tuple[MCPServer, Serving]:
     """The MCP server on ``database_url`` (default: ``EXAMPLE_DATABASE_URL`` or SQLite), and
     its database while it serves."""
     url = database_url or os.environ.get("EXAMPLE_DATABASE_URL", DEFAULT_DATABASE_URL)
-    engine = create_async_engine(async_url(url), connect_args=_connect_args(url))
+    engine = example_engine(url)
     store = SQLStore(url)
     # A retry that finds the first call still running waits for its result a while.
     protect = IdempotentTools(store, tools={"create_ticket"}, lease=timedelta(seconds=10), wait=5)

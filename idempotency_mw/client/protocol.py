@@ -650,13 +650,7 @@ class Protocol:
         )
 
     def _why(self, entry: JournalEntry) -> str:
-        kept = entry.key_expires_at
-        if entry.keyless:
-            reason = "the server does not understand keys"
-        elif kept is not None and kept <= time.time():
-            reason = "the server no longer keeps its key"
-        else:
-            reason = "its first attempt is older than the client's retention"
+        reason = confirmation_reason(entry, time.time())
         return f"needs confirmation: {reason}, and no probe is configured for {entry.name!r}"
 
     def _check_credentials(self, entry: JournalEntry) -> None:
@@ -722,6 +716,17 @@ class _Track:
         yield Save(new)
         self._protocol._moved(self.entry.state, new)
         self.entry = new
+
+
+def confirmation_reason(entry: JournalEntry, now: float) -> str:
+    """Why a lost attempt of ``entry`` is looked up, never sent again blindly (``now`` in Unix
+    seconds): what the client's own check found, as the panel shows it."""
+    kept = entry.key_expires_at
+    if entry.keyless:
+        return "the server does not understand keys"
+    if kept is not None and kept <= now:
+        return "the server no longer keeps its key"
+    return "its first attempt is older than the client's retention"
 
 
 def check_name(name: str) -> None:

@@ -156,7 +156,7 @@ def _missing_table(
         f"of the session's database ({shown_url(url)}), since the store ({store!r}) is not "
         f"known to be on that database (a SQLStore whose URL names the same host, port and "
         f"database is), and could not write it ({describe(exc)}): create it with "
-        f"`idempotency-mw migrate --proofs --url <that url>`, with "
+        f"`idempotency-mw migrate --proofs --store <that url>`, with "
         "`idempotency_mw.engine.proofs.proof_metadata.create_all`, or in your own Alembic project "
         "(the docs' Migrations page)"
     )

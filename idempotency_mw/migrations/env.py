@@ -13,17 +13,21 @@ import os
 from logging.config import fileConfig
 
 from alembic import context
-from sqlalchemy import Connection
+from sqlalchemy import Connection, inspect
+from sqlalchemy.exc import DBAPIError
 
-from idempotency_mw.alembic import VERSION_TABLE
-from idempotency_mw.engine.proofs import proof_metadata
+from idempotency_mw.alembic import PROOF_VERSION_TABLE, VERSION_TABLE
+from idempotency_mw.engine.proofs import PROOF_TABLE, proof_metadata
 from idempotency_mw.stores.sql import async_url
-from idempotency_mw.stores.sql.migrate import migration_lock, plain_engine
-from idempotency_mw.stores.sql.schema import metadata
+from idempotency_mw.stores.sql.migrate import UNRECORDED_TABLE, migration_lock, plain_engine
+from idempotency_mw.stores.sql.schema import TABLE_NAME, metadata
+from idempotency_mw.values.exceptions import SchemaError
 
 #: The proof table's history is kept in a version table of its own (see ``migrate.py``).
 _VERSION_TABLE = context.config.get_main_option("version_table") or VERSION_TABLE
 _METADATA = [metadata, proof_metadata]
+#: The table this history's first revision creates.
+_TABLE = PROOF_TABLE if _VERSION_TABLE == PROOF_VERSION_TABLE else TABLE_NAME
 
 
 def _not_a_primary_key_name_note(record: logging.LogRecord) -> bool:
@@ -59,8 +63,16 @@ def _migrate(connection: Connection) -> None:
         context.configure(
             connection=connection, target_metadata=_METADATA, version_table=_VERSION_TABLE
         )
-        with context.begin_transaction():
-            context.run_migrations()
+        try:
+            with context.begin_transaction():
+                context.run_migrations()
+        except DBAPIError as exc:
+            # Told by the database, not by its message: our table is there, no revision is.
+            connection.rollback()
+            unrecorded = context.get_context().get_current_revision() is None
+            if unrecorded and inspect(connection).has_table(_TABLE):
+                raise SchemaError(UNRECORDED_TABLE) from exc
+            raise
         connection.commit()
 
 

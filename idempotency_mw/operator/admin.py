@@ -72,6 +72,8 @@ class ReleaseResult:
 
     outcome: ReleaseOutcome
     record: RecordView | None
+    #: As :attr:`Lookup.other_scopes`, when there was no record to release.
+    other_scopes: tuple[str, ...] | None = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,11 @@ class Lookup:
     #: Scopes holding a record of the key when it has none in the scope asked for (``None``:
     #: the store cannot tell, as Redis keeps only a digest of scope and key).
     other_scopes: tuple[str, ...] | None = ()
+
+
+async def _other_scopes(store: InspectableStore, key: str) -> tuple[str, ...] | None:
+    others = await store.scopes_of(key, limit=_SCOPES_SHOWN)
+    return None if others is None else tuple(others)
 
 
 async def inspect(
@@ -97,8 +104,7 @@ async def inspect(
         record = await store.find_record(store.record_ref(scope, key), with_body=with_body)
         if record is not None:
             return Lookup(dataclasses.replace(record, scope=scope, key=key))
-        others = await store.scopes_of(key, limit=_SCOPES_SHOWN)
-    return Lookup(None, None if others is None else tuple(others))
+        return Lookup(None, await _other_scopes(store, key))
 
 
 async def release(
@@ -114,7 +120,7 @@ async def release(
     async with open_store(url, prefix=prefix) as store:
         record = await store.find_record(store.record_ref(scope, key))
         if record is None:
-            return ReleaseResult(ReleaseOutcome.NOT_FOUND, None)
+            return ReleaseResult(ReleaseOutcome.NOT_FOUND, None, await _other_scopes(store, key))
         return await release_record(
             store, dataclasses.replace(record, scope=scope, key=key), force=force
         )
@@ -186,7 +192,7 @@ async def open_proof_table(url: str) -> AsyncIterator[ProofTable]:
         if not present:
             raise SchemaError(
                 f"the table {PROOF_TABLE!r} does not exist: run `idempotency-mw migrate --proofs "
-                "--url <database url>` (or create it in your own Alembic project: the docs' "
+                "--store <database url>` (or create it in your own Alembic project: the docs' "
                 "Migrations page)"
             )
         yield ProofTable(engine)

@@ -38,7 +38,7 @@ from idempotency_mw.values.exceptions import (
 from idempotency_mw.values.records import RecordStatus
 
 if TYPE_CHECKING:
-    from idempotency_mw.operator.admin import Lookup, ReleaseResult
+    from idempotency_mw.operator.admin import ReleaseResult
     from idempotency_mw.values.records import RecordView, StoreStats
 
 T = TypeVar("T")
@@ -79,10 +79,10 @@ def _migrate(args: argparse.Namespace) -> int:
     from idempotency_mw.operator.admin import is_redis_url
     from idempotency_mw.stores.sql.migrate import alembic_config
 
-    if is_redis_url(args.url):
+    if is_redis_url(args.store):
         print(f"{PROG}: Redis keeps no table: nothing to {args.command}")
         return 0
-    config = alembic_config(args.url, proofs=args.proofs)
+    config = alembic_config(args.store, proofs=args.proofs)
     try:
         if args.command == "migrate":
             command.upgrade(config, args.revision)
@@ -90,17 +90,6 @@ def _migrate(args: argparse.Namespace) -> int:
             command.downgrade(config, args.revision)
     except CommandError as exc:  # an unknown revision and the like
         raise _Failed(str(exc), 2) from exc
-    except Exception as exc:
-        if "already exists" not in str(exc):
-            raise
-        raise _Failed(
-            "the table exists, but no revision of it is recorded here: it was made by another "
-            "Alembic history or create_all. If your own Alembic project includes our revisions "
-            "(recipe B), upgrade there: `alembic upgrade heads`; otherwise (recipe A, "
-            "create_all) keep that history, or record ours in it with "
-            "`alembic stamp idempotency_mw@head`",
-            2,
-        ) from exc
     print(f"{PROG}: {args.command} to {args.revision} done")
     return 0
 
@@ -110,7 +99,7 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def _purge(args: argparse.Namespace) -> int:
     purged = _purged_proofs if args.proofs else _purged
-    print(f"{PROG}: {_run(purged(args.url, args.batch_size, args.prefix), args.timeout)}")
+    print(f"{PROG}: {_run(purged(args.store, args.batch_size, args.prefix), args.timeout)}")
     return 0
 
 
@@ -147,7 +136,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     lookup = _run(
         admin.inspect(
-            args.url, args.key, scope=args.scope, with_body=args.body, prefix=args.prefix
+            args.store, args.key, scope=args.scope, with_body=args.body, prefix=args.prefix
         ),
         args.timeout,
     )
@@ -155,7 +144,10 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(None if record is None else _record_json(record))
     if record is None:
-        raise _Failed(f"no record of key {args.key!r} in scope {args.scope!r}{_elsewhere(lookup)}")
+        raise _Failed(
+            f"no record of key {args.key!r} in scope {args.scope!r}"
+            f"{_elsewhere(lookup.other_scopes)}"
+        )
     if not args.json:
         _print_record(record)
         if record.body is not None:
@@ -164,13 +156,13 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _elsewhere(lookup: Lookup) -> str:
+def _elsewhere(other_scopes: tuple[str, ...] | None) -> str:
     """Where else the key has records, as a hint for the operator."""
-    if lookup.other_scopes is None:
+    if other_scopes is None:
         return " (Redis names records by a digest of scope and key: give the right --scope)"
-    if not lookup.other_scopes:
+    if not other_scopes:
         return ""
-    scopes = ", ".join(repr(scope) for scope in lookup.other_scopes)
+    scopes = ", ".join(repr(scope) for scope in other_scopes)
     return f"; the key has records in other scopes: {scopes} (give one with --scope)"
 
 
@@ -179,7 +171,7 @@ def _release(args: argparse.Namespace) -> int:
     from idempotency_mw.operator.admin import ReleaseOutcome
 
     result = _run(
-        admin.release(args.url, args.key, scope=args.scope, force=args.force, prefix=args.prefix),
+        admin.release(args.store, args.key, scope=args.scope, force=args.force, prefix=args.prefix),
         args.timeout,
     )
     if args.json:
@@ -195,7 +187,9 @@ def _release(args: argparse.Namespace) -> int:
                 )
             return 0
         case ReleaseOutcome.NOT_FOUND:
-            raise _Failed(f"no record of {described}: nothing to release")
+            raise _Failed(
+                f"no record of {described}: nothing to release{_elsewhere(result.other_scopes)}"
+            )
         case ReleaseOutcome.REFUSED:
             assert result.record is not None
             if result.record.in_progress:
@@ -232,7 +226,7 @@ _SETTLED_MEANS = {
 def _stats(args: argparse.Namespace) -> int:
     from idempotency_mw.operator import admin
 
-    stats = _run(admin.stats(args.url, prefix=args.prefix), args.timeout)
+    stats = _run(admin.stats(args.store, prefix=args.prefix), args.timeout)
     if args.json:
         _print_json(_stats_json(stats))
     else:
@@ -379,7 +373,7 @@ def _print_stats(stats: StoreStats) -> None:
     rows = [("records", f"{stats.total:,}")]
     rows += [(f"  {status}", f"{count:,}") for status, count in stats.by_status.items()]
     fenced = "- (no fenced commits in this store)" if stats.fenced is None else f"{stats.fenced:,}"
-    rows.append(("fenced (effect committed)", fenced))
+    rows.append(("of these, proved by fence()", fenced))  # as the panel says it
     expired = "- (Redis deletes them itself)" if stats.expired is None else f"{stats.expired:,}"
     rows += [
         ("expired, awaiting purge", expired),
@@ -505,8 +499,12 @@ def _parser() -> argparse.ArgumentParser:
             help=f"Redis key prefix of the store (default: {DEFAULT_REDIS_PREFIX})",
         )
 
+    def store_option(sub: Any, what: str = "database or redis:// URL of the store") -> None:
+        # One name on every command; --url, which some commands took first, stays an alias.
+        sub.add_argument("--store", "--url", dest="store", metavar="URL", required=True, help=what)
+
     def store_options(sub: Any, *, keyed: bool) -> None:
-        sub.add_argument("--url", required=True, help="database or redis:// URL of the store")
+        store_option(sub)
         if keyed:
             sub.add_argument("key", help="the Idempotency-Key, as the client sent it")
             sub.add_argument("--scope", default="", help="the caller scope (default: none)")
@@ -520,10 +518,10 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="print JSON, for scripts")
 
     migrate = command("migrate", _migrate, "create or upgrade the table (alembic upgrade)")
-    migrate.add_argument("--url", required=True, help="database URL, e.g. sqlite:///./app.db")
+    store_option(migrate, "database URL, e.g. sqlite:///./app.db")
     migrate.add_argument("--revision", default="head", help="target revision (default: head)")
     downgrade = command("downgrade", _migrate, "downgrade the table (base removes it)")
-    downgrade.add_argument("--url", required=True, help="database URL")
+    store_option(downgrade, "database URL")
     downgrade.add_argument("--revision", default="base", help="target revision (default: base)")
     for sub in (migrate, downgrade):
         sub.add_argument(
@@ -533,7 +531,7 @@ def _parser() -> argparse.ArgumentParser:
         )
 
     purge = command("purge", _purge, "delete expired records now")
-    purge.add_argument("--url", required=True, help="database or redis:// URL")
+    store_option(purge)
     prefix_option(purge)
     purge.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="rows per transaction"
@@ -568,9 +566,7 @@ def _parser() -> argparse.ArgumentParser:
         "run the Store contract's cases on a store: each in a scope of its own, its records "
         "deleted after it; exits 1 if any case fails",
     )
-    conformance.add_argument(
-        "--store", "--url", dest="store", required=True, help="database or redis:// URL"
-    )
+    store_option(conformance)
     conformance.add_argument(
         "--prefix",
         default=CONFORMANCE_PREFIX,
@@ -601,7 +597,7 @@ def _parser() -> argparse.ArgumentParser:
         _panel,
         "serve the operator's web panel on 127.0.0.1 (read-only unless --actions)",
     )
-    served.add_argument("--store", required=True, help="database or redis:// URL of the store")
+    store_option(served)
     prefix_option(served)
     served.add_argument(
         "--journal", help="a client's journal: SQLite path, database URL or redis:// URL"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs
@@ -224,7 +225,9 @@ class _Panel:
             for action, label in _JOURNAL_ACTIONS.items()
             if action != "retry" or self._client is not None
         }
-        return self._render(request, "operation.html", row=row, entry=entry, offered=offered)
+        return self._render(
+            request, "operation.html", row=row, entry=entry, offered=offered, why=_why(entry)
+        )
 
     async def confirm_operation(self, request: Request) -> Response:
         digest, action = request.path_params["digest"], self._action(request)
@@ -410,6 +413,24 @@ def _excerpt(data: bytes) -> str:
     text = data[:_MAX_SHOWN].decode("utf-8", "replace")
     more = f"\n… {len(data) - _MAX_SHOWN:,} more bytes" if len(data) > _MAX_SHOWN else ""
     return text + more
+
+
+def _why(entry: JournalEntry) -> str:
+    """Why an operation waits for a person, in the words of the client that stopped it."""
+    from idempotency_mw.client import OperationState
+    from idempotency_mw.client.protocol import confirmation_reason
+
+    if entry.state is OperationState.NEEDS_CONFIRMATION:
+        reason = confirmation_reason(entry, time.time())
+        return (
+            f"its outcome is unknown and {reason}, so the client will not send it again "
+            "blindly, and no probe was configured to look it up. Check whether it took "
+            "effect, then mark it confirmed or failed"
+        )
+    return (
+        "a saga gave up on it (a step it could not settle, or a compensation that kept "
+        "failing). Undo or finish what it did, then mark it"
+    )
 
 
 def _status_of(value: str) -> RecordStatus:

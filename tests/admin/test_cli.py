@@ -54,7 +54,7 @@ class Target:
     async def run(self, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
         """The command's exit code and output (in a thread: it runs its own event loop)."""
         command, *rest = args
-        code = await asyncio.to_thread(main, [command, "--url", self.url, *self.options, *rest])
+        code = await asyncio.to_thread(main, [command, "--store", self.url, *self.options, *rest])
         captured = capsys.readouterr()
         return code, captured.out, captured.err
 
@@ -180,26 +180,29 @@ async def test_inspect_of_a_key_without_record_exits_1(
 
 
 @pytest.mark.anyio
-async def test_inspect_without_scope_names_the_scopes_that_hold_the_key(
-    target: Target, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("command", "said"), [("inspect", ""), ("release", ": nothing to release")]
+)
+async def test_inspect_and_release_without_scope_name_the_scopes_that_hold_the_key(
+    target: Target, capsys: pytest.CaptureFixture[str], command: str, said: str
 ) -> None:
     await completed(target.store, "order-17", scope="alice")
     await completed(target.store, "order-17", scope="bob")
     await completed(target.store, "order-18")
     # Another scope is another record.
-    code, out, err = await target.run(capsys, "inspect", "order-17")
+    code, out, err = await target.run(capsys, command, "order-17")
     assert (code, out) == (1, "")
     if target.name.startswith("redis"):  # a record's name is a digest of scope and key
         assert err == (
-            "idempotency-mw: no record of key 'order-17' in scope '' (Redis names records by "
-            "a digest of scope and key: give the right --scope)\n"
+            f"idempotency-mw: no record of key 'order-17' in scope ''{said} (Redis names "
+            "records by a digest of scope and key: give the right --scope)\n"
         )
     else:
         assert err == (
-            "idempotency-mw: no record of key 'order-17' in scope ''; the key has records in "
-            "other scopes: 'alice', 'bob' (give one with --scope)\n"
+            f"idempotency-mw: no record of key 'order-17' in scope ''{said}; the key has "
+            "records in other scopes: 'alice', 'bob' (give one with --scope)\n"
         )
-    code, out, err = await target.run(capsys, "inspect", "order-18", "--scope", "alice")
+    code, out, err = await target.run(capsys, command, "order-18", "--scope", "alice")
     assert code == 1
     if not target.name.startswith("redis"):
         assert err.endswith("records in other scopes: '' (give one with --scope)\n")
@@ -291,7 +294,22 @@ async def test_release_of_a_key_without_record_exits_1(
 ) -> None:
     code, out, err = await target.run(capsys, "release", "never-sent")
     assert (code, out) == (1, "")
-    assert err == "idempotency-mw: no record of key 'never-sent' in scope '': nothing to release\n"
+    assert err.startswith(
+        "idempotency-mw: no record of key 'never-sent' in scope '': nothing to release"
+    )
+    assert "other scopes" not in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["migrate", "downgrade", "purge", "inspect", "release", "stats", "conformance", "panel"],
+)
+def test_every_command_names_its_store_with_store_and_takes_url_too(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "--store URL, --url URL" in capsys.readouterr().out
 
 
 # --- stats --------------------------------------------------------------------------------------
@@ -398,7 +416,7 @@ def test_a_missing_table_names_the_migrate_command(
     assert main([name, "--url", database_without_table, *rest]) == 2
     line = _one_line(capsys.readouterr().err)
     assert "idempotency_records" in line
-    assert "idempotency-mw migrate --url" in line
+    assert "idempotency-mw migrate --store" in line
 
 
 def test_purge_of_proofs_without_their_table_names_migrate_proofs(
@@ -407,7 +425,7 @@ def test_purge_of_proofs_without_their_table_names_migrate_proofs(
     assert main(["purge", "--proofs", "--url", database_without_table]) == 2
     line = _one_line(capsys.readouterr().err)
     assert "the table 'idempotency_proofs' does not exist" in line
-    assert "idempotency-mw migrate --proofs --url" in line
+    assert "idempotency-mw migrate --proofs --store" in line
 
 
 def test_a_missing_sqlite_file_is_not_created(
@@ -551,7 +569,7 @@ async def test_stats_and_inspect_count_fenced_commits(
     assert shown["fenced"] == 2
     assert shown["by_status"]["completed"] == 2
     code, out, _ = await sql_target.run(capsys, "stats")
-    assert "fenced (effect committed)  2" in out
+    assert "of these, proved by fence()  2" in out
     code, shown = await sql_target.json(capsys, "inspect", "paid")
     assert (shown["status"], shown["fenced"]) == ("completed", True)
     code, shown = await sql_target.json(capsys, "inspect", "plain")

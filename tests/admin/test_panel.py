@@ -147,6 +147,60 @@ async def test_the_overview_shows_the_store_and_the_journal(journal: SQLiteJourn
         assert "Mark failed" not in shown
 
 
+async def test_each_tile_says_what_it_counts_in_words_no_other_tile_uses() -> None:
+    store = MemoryStore()
+    await completed(store, "order-19")
+    async with http_on(panel(store)) as http:
+        page = (await http.get("/ops/")).text
+    labels = re.findall(r'<div class="tile"><b>[^<]*</b><span>([^<]*)</span>', page)
+    assert labels == [
+        "in progress",
+        "completed, answer recorded",
+        "ran, answer too large to record",
+        "took effect, no answer recorded",
+        "of these, proved by fence()",
+        "expired, awaiting the purge",
+    ]
+    assert [label for label in labels if "committed" in label] == []
+    # Why the fence() tile may count more than "completed": it counts across the statuses.
+    assert "is counted under\nits status too" in page
+
+
+async def test_an_operation_says_why_it_waits_and_what_it_was_answered(
+    journal: SQLiteJournal,
+) -> None:
+    journal.add(JournalEntry(key="k-lost", name="lost", ref="L-1", state=OperationState.PENDING))
+    journal.save(
+        JournalEntry(
+            key="k-lost",
+            name="lost",
+            ref="L-1",
+            state=OperationState.NEEDS_CONFIRMATION,
+            method="POST",
+            url="http://api.test/payments",
+            body=b"{}",
+            keyless=True,
+            first_sent_at=time.time() - 60,
+        )
+    )
+    needing_a_person(journal, "k-refund", "refund", url="http://api.test/refunds")
+    async with http_on(panel(MemoryStore(), journal=journal)) as http:
+        pages = {}
+        for operation in links((await http.get("/ops/")).text, "/operations/"):
+            page = (await http.get(operation)).text
+            pages[re.findall(r"<h1>Operation (\w+)</h1>", page)[0]] = page
+    lost, refund = pages["lost"], pages["refund"]
+    assert (
+        "Why a person: its outcome is unknown and the server does not understand keys, so the "
+        "client will not send it again blindly" in lost
+    )
+    assert "None: no attempt was answered." in lost
+    assert ">none<" not in lost.split("Last answer")[1]
+    assert "Why a person: a saga gave up on it" in refund
+    assert "HTTP 503" in refund
+    assert "upstream unavailable" in refund
+
+
 async def test_what_the_store_and_the_journal_hold_is_shown_as_text(
     journal: SQLiteJournal,
 ) -> None:
@@ -234,8 +288,10 @@ async def test_a_key_whose_effect_was_committed_is_never_offered_for_release(
         (committed,) = [
             row for row in re.findall(r"<tr>.*?</tr>", stuck_part, re.S) if "order-17" in row
         ]
-        assert "effect committed" in committed
         assert "/release" not in committed
+        # Where the button would be, what the operator can do instead.
+        assert "Nothing to do: its effect committed, and retries are told so (409)" in committed
+        assert "idempotency-mw release --force" in committed
         assert len(links(page, "/release")) == 1  # order-23's, stuck before its effect
         query = urlencode({"ref": record.ref, "version": record.version})
         refused = await http.get(f"/ops/release?{query}")

@@ -7,7 +7,9 @@ in an empty folder, so a block that imports ``example_app`` or forgets to make i
 They run as they would copied into a file: a top-level ``await`` is a syntax error. A block
 marked ``not run (why)`` is left out, and so is one marked ``file PATH`` (a file another block
 or test runs, such as an Alembic env.py or an MCP server over stdio), which is written to PATH
-in the page's folder first. The site builds strictly.
+in the page's folder first. A block marked ``run PATH`` is written there too and run in its
+turn as ``python PATH``, in a process of its own: it sees only what it imports, as the file
+the page names it. The site builds strictly.
 """
 
 from __future__ import annotations
@@ -44,11 +46,14 @@ MKDOCS = Path(sys.executable).parent / "mkdocs"
 
 #: Runs the page's blocks (JSON on stdin) in one namespace; the first that fails ends it.
 RUNNER = """
-import json, sys, traceback
+import json, subprocess, sys, traceback
 namespace = {"__name__": "__docs__"}
 for block in json.load(sys.stdin):
     try:
-        exec(compile(block["text"], block["where"], "exec"), namespace)
+        if "run" in block:
+            subprocess.run([sys.executable, block["run"]], check=True, timeout=240)
+        else:
+            exec(compile(block["text"], block["where"], "exec"), namespace)
     except BaseException:
         traceback.print_exc()
         sys.exit(f"the block at {block['where']} failed")
@@ -60,10 +65,16 @@ def _skipped(block: Block) -> bool:
 
 
 def _file_path(block: Block) -> str | None:
-    """Where a block marked ``file PATH (why)`` goes, relative to the page's folder."""
-    if block.marker is None or not block.marker.startswith("file "):
+    """Where a block marked ``file PATH (why)`` or ``run PATH (why)`` goes, relative to the
+    page's folder."""
+    if block.marker is None or not block.marker.startswith(("file ", "run ")):
         return None
-    return block.marker.removeprefix("file ").split()[0]
+    return block.marker.split()[1]
+
+
+def _run_path(block: Block) -> str | None:
+    """The file a block marked ``run PATH (why)`` is run as."""
+    return _file_path(block) if block.marker and block.marker.startswith("run ") else None
 
 
 def _where(page: Path, block: Block) -> str:
@@ -190,11 +201,13 @@ def run_page(python: WarmPython, page: Path, folder: Path) -> subprocess.Complet
         if path is not None:
             (folder / path).parent.mkdir(parents=True, exist_ok=True)
             (folder / path).write_text(block.text)
-    runnable = [
-        {"where": _where(page, block), "text": block.text}
-        for block in blocks(page)
-        if block.language == "python" and not _skipped(block)
-    ]
+    runnable: list[dict[str, str]] = []
+    for block in blocks(page):
+        where, path = _where(page, block), _run_path(block)
+        if path is not None:
+            runnable.append({"where": where, "run": path})
+        elif block.language == "python" and not _skipped(block):
+            runnable.append({"where": where, "text": block.text})
     # Blocks that need a server read these: the run's own databases, never a shared one.
     env = _environment(POSTGRESQL_URL=POSTGRESQL_URL, MARIADB_URL=MARIADB_URL, REDIS_URL=REDIS_URL)
     return python.run(RUNNER, stdin=json.dumps(runnable), cwd=folder, env=env, timeout=300)
@@ -214,6 +227,8 @@ def test_the_readme_runs_twice_in_the_same_folder(page_python: WarmPython, tmp_p
     for run in ("first", "second"):
         result = run_page(page_python, README, tmp_path)
         assert result.returncode == 0, f"the {run} run\n{result.stdout}{result.stderr}"
+        # Nothing logs at INFO unless the reader's own logging says so (the mcp SDK would).
+        assert "INFO" not in result.stderr, result.stderr
 
 
 def test_the_package_comes_from_the_wheel_not_the_checkout(

@@ -35,7 +35,7 @@ async def test_the_missing_table_error_names_the_cli_and_both_alembic_recipes(
         async with LifespanManager(app):
             pass
     message = str(failure.value)
-    assert "idempotency-mw migrate --url" in message
+    assert "idempotency-mw migrate --store" in message
     assert "recipe A" in message
     assert "idempotency_mw.alembic.metadata" in message
     assert "alembic revision --autogenerate" in message

@@ -7,14 +7,16 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+import anyio.to_thread
 import pytest
 from mcp.client.client import Client
 from mcp.client.stdio import StdioServerParameters
 
 from example_app import mcp_demo
 from example_app.demo import DemoConfig, DemoSummary, serve
-from example_app.mcp_server import create_app
+from example_app.mcp_server import create_app, create_server
 from idempotency_mw.client.mcp import key_meta
+from tests.support.faults import PostgreSQLServer
 
 pytestmark = pytest.mark.anyio
 
@@ -59,6 +61,20 @@ async def test_create_ticket_over_stdio(tmp_path: Path) -> None:
             )
     assert results[0].structured_content == results[1].structured_content
     assert results[0].structured_content == {"id": 1, "title": "t", "client_ref": None}
+
+
+async def test_create_ticket_after_a_postgresql_restart(own_postgresql: PostgreSQLServer) -> None:
+    # The restart kills every pooled connection: the tool's own engine replaces them
+    # (pool_pre_ping), as the store does, instead of failing the first call after it.
+    server, serving = create_server(own_postgresql.create_database("example"))
+    async with serving(), Client(server) as client:
+        before = await client.call_tool("create_ticket", {"title": "a"}, meta=key_meta("a"))
+        await anyio.to_thread.run_sync(own_postgresql.stop)
+        await anyio.to_thread.run_sync(own_postgresql.start)
+        after = await client.call_tool("create_ticket", {"title": "b"}, meta=key_meta("b"))
+    assert not before.is_error
+    assert not after.is_error, after.content
+    assert after.structured_content == {"id": 2, "title": "b", "client_ref": None}
 
 
 def test_demo_exits_0_when_the_protected_run_created_every_ticket_once(

@@ -26,6 +26,7 @@ from sqlalchemy import URL, Connection, create_engine, inspect, make_url, text
 from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from idempotency_mw.engine.proofs import proof_metadata
 from idempotency_mw.operator.cli import main
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.migrate import alembic_config, upgrade
@@ -409,18 +410,15 @@ def test_cli_reports_an_unreachable_database_in_one_line(
     _assert_one_line_error(capsys.readouterr().err)
 
 
-def test_cli_reports_a_failed_statement_in_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("proofs", [False, True], ids=["records", "proofs"])
+def test_cli_over_a_create_all_table_names_the_way_out(
+    fresh_database: str, capsys: pytest.CaptureFixture[str], proofs: bool
 ) -> None:
     """A table made by ``create_all`` (no migration history) makes CREATE TABLE fail: one line
-    that names the way out."""
-    url = f"sqlite:///{tmp_path / 'app.db'}"
-    engine = create_engine(url)
-    try:
-        metadata.create_all(engine)
-    finally:
-        engine.dispose()
-    assert main(["migrate", "--url", url]) == 2
+    that names the way out, on every database (PostgreSQL's aborted transaction included)."""
+    made = proof_metadata if proofs else metadata
+    _on_connection(fresh_database, made.create_all)
+    assert main(["migrate", *(["--proofs"] if proofs else []), "--url", fresh_database]) == 2
     err = capsys.readouterr().err
     _assert_one_line_error(err)
     assert "alembic stamp idempotency_mw@head" in err

@@ -110,4 +110,4 @@ async def test_a_store_without_its_table_fails_startup_with_the_migrate_hint(
         pytest.raises(RuntimeError, match=r"the server exited \(3\)") as failure,
     ):
         await anyio.to_thread.run_sync(service.wait_ready)
-    assert "does not exist: run `idempotency-mw migrate --url" in str(failure.value)
+    assert "does not exist: run `idempotency-mw migrate --store" in str(failure.value)

@@ -22,6 +22,13 @@ from idempotency_mw.stores.sql.store import SQLStore
 _LOCK_ID, _LOCK_NAME = 7_305_944_173_201, "idempotency_mw_migrations"
 #: How long MariaDB's GET_LOCK waits, in seconds (it takes no "forever").
 _LOCK_WAIT = 600
+#: Why an upgrade failed when the table exists but no revision of it is recorded.
+UNRECORDED_TABLE = (
+    "the table exists, but no revision of it is recorded here: it was made by another Alembic "
+    "history or create_all. If your own Alembic project includes our revisions (recipe B), "
+    "upgrade there: `alembic upgrade heads`; otherwise (recipe A, create_all) keep that "
+    "history, or record ours in it with `alembic stamp idempotency_mw@head`"
+)
 
 
 def plain_engine(url: str | URL) -> AsyncEngine:
@@ -59,6 +66,11 @@ def migration_lock(connection: Connection) -> Iterator[None]:
         raise TimeoutError(f"another migration held {_LOCK_NAME} for {_LOCK_WAIT} s")
     try:
         yield
+    except BaseException:
+        # A failed statement aborts PostgreSQL's transaction, where the unlock would fail too
+        # and hide the first error: end it first (the session's lock outlives it).
+        connection.rollback()
+        raise
     finally:
         connection.exec_driver_sql(unlock)
         connection.commit()

@@ -59,7 +59,7 @@ records = Table(
 )
 
 MIGRATE_HINT = (
-    "run `idempotency-mw migrate --url <database url>` (no Alembic project of your own); in your "
+    "run `idempotency-mw migrate --store <database url>` (no Alembic project of your own); in your "
     "own Alembic project, either add `idempotency_mw.alembic.metadata` to target_metadata and run "
     "`alembic revision --autogenerate` then `alembic upgrade head` (recipe A, your metadata), or "
     "add `idempotency_mw:migrations/versions` to version_locations and run "
