@@ -73,6 +73,7 @@ class Options:
     on_lease_lost: LeaseLostAction
     purge: PurgeSchedule | None
     lifespan: bool
+    server_checks: bool
     on_event: EventHook | None
 
 
@@ -100,6 +101,7 @@ def build_options(
     on_lease_lost: LeaseLostAction,
     purge: PurgeSchedule | None,
     lifespan: bool,
+    server_checks: bool,
     on_event: EventHook | None,
     settings: Mapping[str, object],
 ) -> Options:
@@ -169,5 +171,6 @@ def build_options(
         on_lease_lost=on_lease_lost,
         purge=purge,
         lifespan=lifespan,
+        server_checks=server_checks,
         on_event=None if on_event is None else guard(on_event),
     )

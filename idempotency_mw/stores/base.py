@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from idempotency_mw.findings import ServerCheck
 from idempotency_mw.records import (
     Claim,
     RecordState,
@@ -217,6 +218,18 @@ class Inspectable(Protocol):
 
     async def record_stats(self) -> StoreStats:
         """Counts of the store's records by status, fenced and expired, and their size."""
+        ...
+
+
+@runtime_checkable
+class ServerChecked(Protocol):
+    """An optional capability of a store: a look at the settings of its server that can lose
+    records (``idempotency-mw check``, the start-up warnings, the panel)."""
+
+    async def check_server(self) -> ServerCheck:
+        """The findings about the server's settings, and its clock, read through the store's
+        own client; a setting the server will not show is a note, never an error. Backend
+        failures raise :class:`~idempotency_mw.exceptions.StoreError`."""
         ...
 
 

@@ -18,6 +18,7 @@ from idempotency_mw.exceptions import (
     StoreError,
     store_error,
 )
+from idempotency_mw.findings import ServerCheck
 from idempotency_mw.metrics import key_hash
 from idempotency_mw.records import (
     Claim,
@@ -33,6 +34,7 @@ from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.stores.feed import Feeds
 from idempotency_mw.stores.sql import notify
 from idempotency_mw.stores.sql.admin import SQLInspection
+from idempotency_mw.stores.sql.checks import server_check
 from idempotency_mw.stores.sql.claims import CLAIMS
 from idempotency_mw.stores.sql.database import Database, engine_for
 from idempotency_mw.stores.sql.schema import check_schema, stored_name
@@ -84,7 +86,8 @@ class SQLStore(SQLInspection, ClaimsWithToken):
     off by default: PostgreSQL commits notifying transactions one at a time, which halves how
     many settlements it takes per second under concurrency.
 
-    The store is :class:`~idempotency_mw.stores.base.Inspectable` (the CLI and the panel).
+    The store is :class:`~idempotency_mw.stores.base.Inspectable` (the CLI and the panel) and
+    :class:`~idempotency_mw.stores.base.ServerChecked` (``idempotency-mw check``).
     """
 
     def __init__(
@@ -326,6 +329,14 @@ class SQLStore(SQLInspection, ClaimsWithToken):
                     f"{self!r}: the database refused a setting of the URL: {refusal}"
                 ) from exc
             raise
+
+    async def check_server(self) -> ServerCheck:
+        """See :class:`~idempotency_mw.stores.base.ServerChecked`: how commits reach the disk,
+        the timeouts shorter than ``operation_timeout``, and the server's clock."""
+        return await self._call(
+            "server check",
+            lambda ends: server_check(self._database, self._operation_timeout, ends),
+        )
 
     async def aclose(self) -> None:
         await self._feeds.close()
