@@ -195,7 +195,12 @@ class IdempotencyMiddleware:
         await exchange.run(doors=resolved.doors)
 
     def _document(self, app: object) -> None:
+        """Once per app, at its start-up or first request: its routes' settings are checked
+        and the OpenAPI schema documents them."""
         self._documented.add(id(app))
+        routes = app_routes(app)
+        if routes is not None:
+            self.routes.check(routes, self.options.defaults)
         document_openapi(app, self.options, self.routes)
 
     @asynccontextmanager
