@@ -19,10 +19,16 @@ from idempotency_mw.check import findings
 from idempotency_mw.cli import main
 from idempotency_mw.findings import Severity
 from idempotency_mw.functions import IdempotentFunctions
-from tests.conftest import MARIADB_URL, POSTGRESQL_URL, require_redis_server, require_server
+from tests.conftest import (
+    MARIADB_URL,
+    POSTGRESQL_URL,
+    _new_server,
+    require_redis_server,
+    require_server,
+)
 from tests.support.apps import make_app
-from tests.support.faults import free_port
-from tests.support.redis_servers import RedisSentinel, start_server, stop_servers
+from tests.support.faults import MariaDBServer, free_port
+from tests.support.redis_servers import RedisCluster, RedisSentinel, start_server, stop_servers
 from tests.support.scratch import run_on_server, scratch_database
 
 pytestmark = pytest.mark.anyio
@@ -139,6 +145,27 @@ async def test_a_sentinels_primary_without_a_replica_is_a_finding(
     assert [f.setting for f in found if f.setting == "replicas"] == ["replicas"]
 
 
+def test_a_cluster_without_replicas_is_a_finding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require_redis_server()
+    with RedisCluster.start(tmp_path / "cluster", size=3, replicas=0) as cluster:
+        # The command is given one node's URL: it finds the cluster, and reads every primary.
+        code, out, err = check(capsys, cluster.url)
+    assert code == 1, (out, err)
+    assert "replicas is none for 3 of 3 primaries" in out
+
+
+async def test_a_cluster_with_replicas_has_them(redis_cluster: RedisCluster) -> None:
+    store = RedisStore(redis_cluster.url, cluster=True)
+    try:
+        found = await findings(store)
+    finally:
+        await store.aclose()
+    assert "replicas" not in {finding.setting for finding in found}
+    assert "appendonly" in {finding.setting for finding in found}  # started without
+
+
 async def test_a_redis_of_its_own_needs_no_replica(tmp_path: Path) -> None:
     for url in redis_started(tmp_path, *DURABLE):
         store = RedisStore(url)
@@ -176,6 +203,15 @@ async def test_a_timeout_shorter_than_the_operation_timeout(setting: str) -> Non
         assert await findings(patient) == ()
     finally:
         await patient.aclose()
+
+
+def test_innodb_flush_log_at_trx_commit_other_than_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with _new_server(lambda: MariaDBServer("--innodb-flush-log-at-trx-commit=2")) as server:
+        code, out, err = check(capsys, server.url)
+    assert code == 1, (out, err)
+    [line] = out.splitlines()
+    assert "innodb_flush_log_at_trx_commit is 2" in line
+    assert "innodb_flush_log_at_trx_commit = 1" in line
 
 
 async def test_mariadbs_statement_time_limit() -> None:
