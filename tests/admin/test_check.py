@@ -34,6 +34,8 @@ from tests.support.scratch import run_on_server, scratch_database
 pytestmark = pytest.mark.anyio
 
 DURABLE = ("--appendonly", "yes")
+#: As managed servers do: CONFIG is not a command there.
+RENAMED_CONFIG = ("--rename-command", "CONFIG", "")
 
 
 def check(capsys: pytest.CaptureFixture[str], url: str) -> tuple[int, str, str]:
@@ -129,6 +131,31 @@ async def test_check_of_redis_persistence(
         code, out, err = await asyncio.to_thread(check, capsys, url)
         assert code == exit_code, (out, err)
         assert said in out
+
+
+async def test_a_managed_redis_that_refuses_config_is_read_through_info(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for url in redis_started(tmp_path, "--maxmemory-policy", "volatile-ttl", *RENAMED_CONFIG):
+        code, out, err = await asyncio.to_thread(check, capsys, url)
+    assert code == 1, (out, err)
+    assert "maxmemory-policy is volatile-ttl" in out
+    assert "save unknown: the server refuses CONFIG" in out
+    for url in redis_started(tmp_path / "durable", *DURABLE, *RENAMED_CONFIG):
+        code, out, err = await asyncio.to_thread(check, capsys, url)
+    assert code == 0, (out, err)
+
+
+async def test_a_server_that_refuses_info_is_a_note_and_starts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for url in redis_started(tmp_path, "--rename-command", "INFO", "", *DURABLE):
+        store = RedisStore(url)
+        with caplog.at_level(logging.INFO, "idempotency_mw"):
+            async with LifespanManager(make_app(store)):
+                pass
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "note: INFO is refused" in caplog.text
 
 
 async def test_a_sentinels_primary_without_a_replica_is_a_finding(

@@ -93,8 +93,8 @@ def _no_append_only(save: str | None) -> Finding:
 
 def _unread(exc: ResponseError) -> Finding:
     return Finding(
-        "the server's settings",
-        f"unread ({exc})",
+        "INFO",
+        f"refused ({exc})",
         "eviction and persistence could not be checked",
         "check maxmemory-policy noeviction and appendonly yes in the provider's settings",
         Severity.NOTE,
