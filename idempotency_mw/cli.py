@@ -249,7 +249,7 @@ def _check(args: argparse.Namespace) -> int:
     for finding in found:
         print(finding)
     if can_lose_records(found):
-        raise _Failed("settings found that can lose records: see above")
+        raise _Failed("found settings that can lose records (above): each line says its fix")
     print(f"{PROG}: nothing found that can lose records")
     return 0
 
