@@ -45,6 +45,11 @@ def check(capsys: pytest.CaptureFixture[str], url: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def ours(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    """The package's log records: their levels and messages."""
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "idempotency_mw"]
+
+
 def redis_started(folder: Path, *options: str) -> Iterator[str]:
     """The URL of a ``redis-server`` of the test's own, started with ``options``."""
     require_redis_server()
@@ -88,7 +93,7 @@ async def test_the_middleware_warns_of_an_evicting_policy_once(
         # A second start-up in the process (a TestClient entered again) says nothing new.
         async with LifespanManager(make_app(store)):
             pass
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = [message for level, message in ours(caplog) if level >= logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "maxmemory-policy is" in warnings[0]
     assert "noeviction" in warnings[0]
@@ -102,7 +107,7 @@ async def test_server_checks_false_turns_the_warnings_off(
         async with LifespanManager(make_app(store, server_checks=False)):
             pass
         await IdempotentFunctions(store, server_checks=False).startup()
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [message for level, message in ours(caplog) if level >= logging.WARNING]
     # Not checked yet, so the next entry that checks warns.
     with caplog.at_level(logging.INFO, "idempotency_mw"):
         await IdempotentFunctions(store).startup()
@@ -154,7 +159,7 @@ async def test_a_server_that_refuses_info_is_a_note_and_starts(
         with caplog.at_level(logging.INFO, "idempotency_mw"):
             async with LifespanManager(make_app(store)):
                 pass
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [message for level, message in ours(caplog) if level >= logging.WARNING]
     assert "note: INFO is refused" in caplog.text
 
 
