@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from idempotency_mw._urls import shown_url
+from idempotency_mw.check import findings
 from idempotency_mw.exceptions import ConfigurationError, SchemaError, StoreError, describe
 from idempotency_mw.records import RecordView, StoreStats
 
 if TYPE_CHECKING:
+    from idempotency_mw.findings import Finding
     from idempotency_mw.stores.base import Inspectable, Store
 
 DEFAULT_REDIS_PREFIX = "idem:"
@@ -137,6 +139,16 @@ async def stats(url: str, *, prefix: str = DEFAULT_REDIS_PREFIX) -> StoreStats:
     """How many records the store holds, by status, fenced, and awaiting the purge."""
     async with open_store(url, prefix=prefix) as store:
         return await store.record_stats()
+
+
+async def check(url: str, *, prefix: str = DEFAULT_REDIS_PREFIX) -> tuple[Finding, ...]:
+    """The settings of the server at ``url`` that can lose records, and the app's clock
+    against its own (:func:`~idempotency_mw.check.findings`); its table need not exist yet."""
+    store = await build_store(url, prefix=prefix)
+    try:
+        return await findings(store)
+    finally:
+        await store.aclose()
 
 
 async def build_store(url: str, *, prefix: str = DEFAULT_REDIS_PREFIX) -> InspectableStore:

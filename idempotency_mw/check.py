@@ -2,7 +2,8 @@
 start-up warnings and the panel's overview all read them here.
 
 Each store says what its server is set to (:class:`~idempotency_mw.stores.base.ServerChecked`);
-this module adds the app's clock against the server's.
+this module adds the app's clock against the server's. :func:`idempotency_mw.admin.check` opens
+a store from its URL for them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import logging
 import time
 import weakref
 
-from idempotency_mw.admin import DEFAULT_REDIS_PREFIX, build_store
 from idempotency_mw.exceptions import StoreError
 from idempotency_mw.findings import Finding, Severity
 from idempotency_mw.stores.base import ServerChecked, Store
@@ -53,15 +53,6 @@ async def findings(store: Store) -> tuple[Finding, ...]:
             "keep both clocks in sync (NTP)",
         ),
     )
-
-
-async def check(url: str, *, prefix: str = DEFAULT_REDIS_PREFIX) -> tuple[Finding, ...]:
-    """The :func:`findings` of the store at ``url`` (its table need not exist yet)."""
-    store = await build_store(url, prefix=prefix)
-    try:
-        return await findings(store)
-    finally:
-        await store.aclose()
 
 
 def can_lose_records(found: tuple[Finding, ...]) -> bool:

@@ -243,9 +243,10 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from idempotency_mw.check import can_lose_records, check
+    from idempotency_mw import admin
+    from idempotency_mw.check import can_lose_records
 
-    found = _run(check(args.store, prefix=args.prefix), args.timeout)
+    found = _run(admin.check(args.store, prefix=args.prefix), args.timeout)
     for finding in found:
         print(finding)
     if can_lose_records(found):
