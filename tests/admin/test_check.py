@@ -115,6 +115,21 @@ async def test_server_checks_false_turns_the_warnings_off(
     await store.aclose()
 
 
+async def test_an_mcp_servers_lifespan_warns_too(
+    evicting_redis: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from idempotency_mw.mcp import IdempotentTools
+
+    store = RedisStore(evicting_redis)
+    with caplog.at_level(logging.INFO, "idempotency_mw"):
+        async with IdempotentTools(store).lifespan(None):
+            pass
+    await store.aclose()
+    warnings = [message for level, message in ours(caplog) if level >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "maxmemory-policy is" in warnings[0]
+
+
 @pytest.mark.parametrize(
     ("options", "exit_code", "said"),
     [
