@@ -93,11 +93,14 @@ def caller_of(connection: HTTPConnection) -> str:
 
 
 def create_app(
-    database_url: str | None = None, *, ticket_ttl: timedelta = timedelta(hours=1)
+    database_url: str | None = None,
+    *,
+    ticket_ttl: timedelta = timedelta(hours=1),
+    lease: timedelta = timedelta(seconds=10),
 ) -> FastAPI:
     """The ticket service on ``database_url`` (default: ``EXAMPLE_DATABASE_URL`` or SQLite),
     with the order routes of :mod:`example_app.orders`. ``ticket_ttl``: how long a ticket's
-    response is replayed."""
+    response is replayed (longer than ``lease``, every route's)."""
     url = database_url or os.environ.get("EXAMPLE_DATABASE_URL", DEFAULT_DATABASE_URL)
     engine = example_engine(url)
 
@@ -126,7 +129,7 @@ def create_app(
         IdempotencyMiddleware,
         store=SQLStore(url),
         scope=caller_of,
-        lease=timedelta(seconds=10),
+        lease=lease,
         on_event=app.state.metrics,
     )
 

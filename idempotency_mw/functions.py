@@ -164,8 +164,9 @@ class IdempotentFunctions:
     claim and completion then skip their own flush where the database allows it).
     ``scope`` is the namespace of the keys (never shared with HTTP requests' records unless
     you say so); ``codec`` stores the return values, at most ``max_result_bytes`` each.
-    ``on_event``, ``on_lease_lost`` and ``clock`` are the middleware's. The store's schema is
-    checked before the first call (or by :meth:`startup`), as the middleware checks it at start.
+    ``on_event``, ``on_lease_lost``, ``clock`` and ``server_checks`` are the middleware's. The
+    store is checked before the first call (or by :meth:`startup`), as the middleware checks it
+    at start.
     """
 
     def __init__(
@@ -178,6 +179,7 @@ class IdempotentFunctions:
         on_event: EventHook | None = None,
         on_lease_lost: LeaseLostAction = "cancel",
         clock: Clock = time.monotonic,
+        server_checks: bool = True,
         **settings: Unpack[CallOptions],
     ) -> None:
         if not scope:
@@ -196,13 +198,15 @@ class IdempotentFunctions:
             on_lease_lost=on_lease_lost,
             clock=clock,
         )
+        self.server_checks = server_checks
         self._checked = False
 
     async def startup(self) -> None:
         """Check the store as the middleware does at start: a missing or old table raises
         :class:`~idempotency_mw.SchemaError` (naming ``idempotency-mw migrate``); an
-        unreachable store is only logged."""
-        await check_store(self.engine.store)
+        unreachable store, and each setting of its server that can lose records, is only
+        logged."""
+        await check_store(self.engine.store, server_checks=self.server_checks)
         self._checked = True
 
     def __call__(

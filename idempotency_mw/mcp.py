@@ -126,7 +126,7 @@ class IdempotentTools(Extension):
     callable of the request context that returns the caller's namespace, which alone then
     decides (return one string for every caller to share records on purpose). The settings
     (``ttl``, ``lease``, ``wait``, ``fenced``: :class:`~idempotency_mw.CallOptions`),
-    ``max_result_bytes`` and ``on_event`` are
+    ``max_result_bytes``, ``on_event`` and ``server_checks`` are
     :class:`~idempotency_mw.functions.IdempotentFunctions`'. Advertised in the server's
     capabilities (``extensions``); put :data:`TOOL_META` in a protected tool's ``meta=`` to
     say so in ``tools/list`` too.
@@ -142,6 +142,7 @@ class IdempotentTools(Extension):
         scope: Scope = "mcp",
         max_result_bytes: int = 1 << 20,
         on_event: EventHook | None = None,
+        server_checks: bool = True,
         **settings: Unpack[CallOptions],
     ) -> None:
         self.protected = None if tools is None else frozenset(tools)
@@ -152,6 +153,7 @@ class IdempotentTools(Extension):
             codec=ToolResultCodec(),
             max_result_bytes=max_result_bytes,
             on_event=on_event,
+            server_checks=server_checks,
             **settings,
         )
 

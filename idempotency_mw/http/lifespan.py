@@ -15,17 +15,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw.engine.cleanup import PurgeSchedule, background_purge
 from idempotency_mw.stores.base import Store
+from idempotency_mw.stores.checks import warn_at_startup
 from idempotency_mw.values.exceptions import ConfigurationError, SchemaError, StoreError
 
 logger = logging.getLogger("idempotency_mw")
 
 
-async def check_store(store: Store) -> None:
+async def check_store(store: Store, *, server_checks: bool = True) -> None:
     """Check the store at start-up: a wrong schema or a setting the store's server refuses
     raises, an unreachable store only warns.
 
     A service must start (and a server must be able to replace a worker) while its store is
-    down; keyed requests get 503 until the store answers.
+    down; keyed requests get 503 until the store answers. ``server_checks``: log a WARNING
+    for each setting of the store's server that can lose records (what ``idempotency-mw
+    check`` finds), once per store in the process.
     """
     try:
         await store.startup()
@@ -38,6 +41,9 @@ async def check_store(store: Store) -> None:
             "answers: %s",
             exc,
         )
+        return
+    if server_checks:
+        await warn_at_startup(store)
 
 
 @asynccontextmanager
@@ -45,14 +51,16 @@ async def store_lifespan(
     store: Store,
     *,
     purge: PurgeSchedule | None = PurgeSchedule(),  # noqa: B008  (frozen, so shareable)
+    server_checks: bool = True,
 ) -> AsyncIterator[None]:
-    """Check ``store``, purge it on ``purge``'s schedule while the block runs, close it after.
+    """Check ``store`` (see :func:`check_store`), purge it on ``purge``'s schedule while the
+    block runs, close it after.
 
     The store is closed and the purge stopped however the block ends.
     """
     async with AsyncExitStack() as stack:
         stack.push_async_callback(store.aclose)
-        await check_store(store)
+        await check_store(store, server_checks=server_checks)
         if purge is not None:
             await stack.enter_async_context(background_purge(store, purge))
         yield

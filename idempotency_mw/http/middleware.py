@@ -58,8 +58,9 @@ class IdempotencyMiddleware:
     ``fingerprint``, ``release_statuses``, ``fenced``, ``max_request_bytes``, ``key``) are every
     route's defaults; ``@idempotent`` and the ``routes`` mapping override them per route. An
     app whose routes the middleware cannot read (Litestar, a bare ASGI callable) is guarded by
-    method and path. During the app's lifespan the store is checked, expired records are
-    purged on the ``purge`` schedule (``None`` turns that off, e.g. when a cron job runs
+    method and path. During the app's lifespan the store is checked (``server_checks=False``
+    leaves out the warnings about its server's settings: see ``idempotency-mw check``), expired
+    records are purged on the ``purge`` schedule (``None`` turns that off, e.g. when a cron job runs
     ``idempotency-mw purge``) and the store is closed at shutdown; ``lifespan=False`` leaves
     all of that to :func:`~idempotency_mw.http.lifespan.store_lifespan` in the app's own lifespan.
     """
@@ -90,6 +91,7 @@ class IdempotencyMiddleware:
         on_lease_lost: LeaseLostAction = "cancel",
         purge: PurgeSchedule | None = PurgeSchedule(),  # noqa: B008  (frozen, so shareable)
         lifespan: bool = True,
+        server_checks: bool = True,
         on_event: EventHook | None = None,
         **settings: Unpack[RouteOptions],
     ) -> None:
@@ -250,6 +252,10 @@ class IdempotencyMiddleware:
         with self._preparing:  # a TestClient without `with` may send from several threads
             if id(app) in self._prepared:
                 return
+            routes = app_routes(app)
+            if routes is not None:
+                # A route's ttl and the middleware's lease meet here (a ConfigurationError).
+                self.routes.check(routes, self.options.defaults)
             document_openapi(app, self.options, self.routes)
             for route in routes_within(app):
                 give_door(route)
@@ -275,7 +281,11 @@ class IdempotencyMiddleware:
         async with AsyncExitStack() as stack:
             if self.options.lifespan:
                 await stack.enter_async_context(
-                    store_lifespan(self.options.store, purge=self.options.purge)
+                    store_lifespan(
+                        self.options.store,
+                        purge=self.options.purge,
+                        server_checks=self.options.server_checks,
+                    )
                 )
             stack.push_async_callback(self.engine.aclose)  # before the store closes
             yield

@@ -72,6 +72,7 @@ class Options:
     on_lease_lost: LeaseLostAction
     purge: PurgeSchedule | None
     lifespan: bool
+    server_checks: bool
     on_event: EventHook | None
 
 
@@ -99,6 +100,7 @@ def build_options(
     on_lease_lost: LeaseLostAction,
     purge: PurgeSchedule | None,
     lifespan: bool,
+    server_checks: bool,
     on_event: EventHook | None,
     settings: Mapping[str, object],
 ) -> Options:
@@ -178,5 +180,6 @@ def build_options(
         on_lease_lost=on_lease_lost,
         purge=purge,
         lifespan=lifespan,
+        server_checks=server_checks,
         on_event=None if on_event is None else guard(on_event),
     )

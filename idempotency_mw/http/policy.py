@@ -21,7 +21,7 @@ from starlette.types import Scope
 
 from idempotency_mw.http.door import doors_of, endpoint_door
 from idempotency_mw.values.exceptions import ConfigurationError
-from idempotency_mw.values.settings import Overrides, RouteOptions, combined, overrides
+from idempotency_mw.values.settings import Overrides, RouteOptions, Settings, combined, overrides
 
 _POLICY_ATTRIBUTE = "__idempotency_policy__"
 #: Resolutions kept per middleware; paths with ids in them would otherwise grow it without end.
@@ -120,6 +120,18 @@ class RouteTable:
         sources += [p for m, p in matching if m is not None]
         sources += [p for m, p in matching if m is None]
         return combined(sources)
+
+    def check(self, routes: Sequence[RouteInfo], defaults: Settings) -> None:
+        """Raise :class:`ConfigurationError` for a route of ``routes`` whose settings, over
+        ``defaults``, do not hold together (a ``ttl`` not longer than its ``lease``)."""
+        for route in routes:
+            for method in sorted(route.methods or {None}, key=str):
+                policy = self.policy_for(method or "", route.template, route.endpoint)
+                try:
+                    defaults.merge(policy)
+                except ConfigurationError as exc:
+                    name = _entry_name(method, route.template)
+                    raise ConfigurationError(f"route {name!r}: {exc}") from exc
 
     def unmatched_entries(self, routes: Sequence[RouteInfo]) -> list[str]:
         """Entries of the mapping that name no route of the app (reported at start-up)."""

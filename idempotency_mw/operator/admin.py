@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from idempotency_mw._urls import shown_url
+from idempotency_mw.stores.checks import findings
 from idempotency_mw.values.exceptions import ConfigurationError, SchemaError, StoreError, describe
 from idempotency_mw.values.records import RecordView, StoreStats
 
 if TYPE_CHECKING:
     from idempotency_mw.stores.base import Inspectable, Store
+    from idempotency_mw.values.findings import Finding
 
 DEFAULT_REDIS_PREFIX = "idem:"
 #: How many of a key's other scopes :func:`inspect` names.
@@ -143,6 +145,17 @@ async def stats(url: str, *, prefix: str = DEFAULT_REDIS_PREFIX) -> StoreStats:
     """How many records the store holds, by status, fenced, and awaiting the purge."""
     async with open_store(url, prefix=prefix) as store:
         return await store.record_stats()
+
+
+async def check(url: str, *, prefix: str = DEFAULT_REDIS_PREFIX) -> tuple[Finding, ...]:
+    """The settings of the server at ``url`` that can lose records, and the app's clock
+    against its own (:func:`~idempotency_mw.stores.checks.findings`); its table need not exist
+    yet."""
+    store = await build_store(url, prefix=prefix)
+    try:
+        return await findings(store)
+    finally:
+        await store.aclose()
 
 
 async def build_store(url: str, *, prefix: str = DEFAULT_REDIS_PREFIX) -> InspectableStore:

@@ -1,13 +1,14 @@
 """The ``idempotency-mw`` command: migrations, the purge, an operator's look at a store, the
-operator's web panel, and the Store contract's conformance cases.
+settings of its server that lose records, the operator's web panel, and the Store contract's
+conformance cases.
 
 Parsing and printing only; the work is done by the stores (through
 :mod:`idempotency_mw.operator.admin`), :mod:`idempotency_mw.operator.panel`, the purge and the
 packaged Alembic revisions. Drivers are imported
 only by the command that needs them, so a missing one is reported with the extra that installs
-it. Every error is one line on stderr;
-exit codes: 0 done, 1 not done (the store failed, no such record, a release refused, a
-conformance case failed), 2 bad arguments, a missing driver or a missing table.
+it. Every error is one line on stderr; exit codes: 0 done, 1 not done (the store failed, no
+such record, a release refused, a conformance case failed, a setting found that can lose
+records), 2 bad arguments, a missing driver or a missing table.
 """
 
 from __future__ import annotations
@@ -231,6 +232,22 @@ def _stats(args: argparse.Namespace) -> int:
         _print_json(_stats_json(stats))
     else:
         _print_stats(stats)
+    return 0
+
+
+# --- check --------------------------------------------------------------------------------------
+
+
+def _check(args: argparse.Namespace) -> int:
+    from idempotency_mw.operator import admin
+    from idempotency_mw.stores.checks import can_lose_records
+
+    found = _run(admin.check(args.store, prefix=args.prefix), args.timeout)
+    for finding in found:
+        print(finding)
+    if can_lose_records(found):
+        raise _Failed("found settings that can lose records (above): each line says its fix")
+    print(f"{PROG}: nothing found that can lose records")
     return 0
 
 
@@ -559,6 +576,23 @@ def _parser() -> argparse.ArgumentParser:
         "stats", _stats, "count records by status, fenced and expired ones, the table's size"
     )
     store_options(stats, keyed=False)
+
+    checked = command(
+        "check",
+        _check,
+        "find the settings of the store's server (and the clock) that can lose records: one "
+        "line each, with its fix; exits 1 if any can",
+    )
+    checked.add_argument(
+        "--store", "--url", dest="store", required=True, help="database or redis:// URL"
+    )
+    prefix_option(checked)
+    checked.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help=f"seconds to wait for the store (default: {DEFAULT_TIMEOUT:g})",
+    )
 
     conformance = command(
         "conformance",

@@ -1,7 +1,8 @@
 """The operator's web panel: a Starlette app to mount behind your own authentication.
 
-It shows a store's records by status, the keys stuck in progress past their lease, and a
-client journal's operations that need a person. It is read-only unless ``actions=True``; then
+It shows a store's records by status, the keys stuck in progress past their lease, the
+settings of the store's server that can lose records (``idempotency-mw check``), and a client
+journal's operations that need a person. It is read-only unless ``actions=True``; then
 each action (release a stuck key; retry an operation now; mark one confirmed or failed with a
 note) goes through a confirmation page whose form carries a proof made with the operator's
 secret, so a request that skipped the page (or came from another site) changes nothing, and a
@@ -28,6 +29,7 @@ from starlette.routing import Route
 
 from idempotency_mw.credentials import is_credential
 from idempotency_mw.operator.admin import ReleaseOutcome, relative_time, release_record
+from idempotency_mw.stores.checks import findings
 from idempotency_mw.values.exceptions import ConfigurationError, StoreError, describe, install_extra
 from idempotency_mw.values.records import RecordStatus, RecordView
 
@@ -161,6 +163,7 @@ class _Panel:
     async def home(self, request: Request) -> Response:
         status = _status_of(request.query_params.get("status", RecordStatus.IN_PROGRESS.value))
         stats = await self._store_call(self._store.record_stats)
+        found = await self._store_call(lambda: findings(self._store))
         in_progress = await self._store_call(
             lambda: self._store.list_records(RecordStatus.IN_PROGRESS, limit=self._limit)
         )
@@ -176,6 +179,7 @@ class _Panel:
             request,
             "overview.html",
             stats=stats,
+            findings=found,
             stuck=[record for record in in_progress if record.stuck],
             status=status,
             statuses=list(RecordStatus),

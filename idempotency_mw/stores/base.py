@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from idempotency_mw.values.findings import ServerCheck
 from idempotency_mw.values.records import (
     Claim,
     RecordState,
@@ -231,6 +232,18 @@ class ClaimFields(Protocol):
     binding: str
     ttl: float
     lease: float
+
+
+@runtime_checkable
+class ServerChecked(Protocol):
+    """An optional capability of a store: a look at the settings of its server that can lose
+    records (``idempotency-mw check``, the start-up warnings, the panel)."""
+
+    async def check_server(self) -> ServerCheck:
+        """The findings about the server's settings, and its clock, read through the store's
+        own client; a setting the server will not show is a note, never an error. Backend
+        failures raise :class:`~idempotency_mw.values.exceptions.StoreError`."""
+        ...
 
 
 class ClaimsWithToken(abc.ABC):

@@ -34,7 +34,8 @@ class CallOptions(TypedDict, total=False):
     named here are those of the middleware, idempotent functions and MCP tools."""
 
     ttl: Duration
-    """How long a completed call's response (or result) is replayed: 24 hours by default."""
+    """How long a completed call's response (or result) is replayed: 24 hours by default.
+    Longer than ``lease``, and than the longest time the callers retry for."""
     lease: Duration
     """How long a call in progress holds its key without a renewal (renewed while it runs;
     a crashed worker's key is taken over once it lapses): 60 seconds by default."""
@@ -155,9 +156,23 @@ class Settings:
     #: endpoint's dependency.
     scoped: bool = False
 
+    def __post_init__(self) -> None:
+        outlives(self.ttl, self.lease)
+
     def merge(self, overrides: Overrides | None) -> Settings:
         """These settings, with what ``overrides`` sets instead."""
         return self if not overrides else replace(self, **overrides)
+
+
+def outlives(ttl: float, lease: float, where: str = "") -> None:
+    """Raise :class:`ConfigurationError` unless a record kept ``ttl`` seconds outlives a
+    ``lease``: a call's retries come until its lease lapses (its worker may have died), and
+    must find its record."""
+    if ttl <= lease:
+        raise ConfigurationError(
+            f"ttl must be longer than lease{where}, got ttl={ttl:g} s and lease={lease:g} s: "
+            "a retry that comes once the lease lapsed would find no record, and run again"
+        )
 
 
 #: Some of the settings, validated, by name: what one source sets (``@idempotent``, a
@@ -197,7 +212,10 @@ def overrides(
         raise ConfigurationError(
             f"unknown settings{where}: {unknown} (the settings: {', '.join(sorted(names))})"
         )
-    return MappingProxyType({name: _CHECKS[name](value, name) for name, value in given.items()})
+    checked: dict[str, Any] = {name: _CHECKS[name](value, name) for name, value in given.items()}
+    if "ttl" in checked and "lease" in checked:
+        outlives(checked["ttl"], checked["lease"], where)
+    return MappingProxyType(checked)
 
 
 def settings_of(given: Mapping[str, object], *, names: frozenset[str] = ROUTE_SETTINGS) -> Settings:

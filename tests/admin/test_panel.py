@@ -29,9 +29,10 @@ from idempotency_mw.operator.panel import panel
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
 from idempotency_mw.values.records import ClaimOutcome, RecordStatus
-from tests.conftest import _missing
+from tests.conftest import _missing, require_redis_server
 from tests.support.client_support import BASE_URL, Server, sqlite_store_at
 from tests.support.faults import free_port
+from tests.support.redis_servers import start_server, stop_servers
 
 pytestmark = pytest.mark.anyio
 
@@ -438,6 +439,23 @@ def test_without_jinja2_the_panel_names_the_extra_to_install(
     monkeypatch.setitem(sys.modules, "jinja2", None)  # as if it were not installed
     with pytest.raises(ModuleNotFoundError, match=r"needs jinja2: install the \[panel\] extra"):
         panel(MemoryStore())
+
+
+async def test_the_overview_shows_the_settings_that_can_lose_records(tmp_path: Path) -> None:
+    require_redis_server()
+    node = start_server(tmp_path / "redis", free_port(), "--maxmemory-policy", "volatile-lru")
+    store = RedisStore(f"redis://127.0.0.1:{node.port}/0")
+    try:
+        async with http_on(panel(store)) as http:
+            page = (await http.get("/ops/")).text
+    finally:
+        await store.aclose()
+        stop_servers([node], tmp_path / "redis")
+    (part,) = re.findall(r"Settings that can lose records.*?</section>", page, re.S)
+    assert "<code>maxmemory-policy</code> is volatile-lru" in part
+    assert "appendonly" in part  # the server was started without persistence too
+    async with http_on(panel(MemoryStore())) as http:
+        assert "Settings that can lose records" not in (await http.get("/ops/")).text
 
 
 async def test_a_store_that_fails_is_a_503_page() -> None:

@@ -60,7 +60,9 @@ async def test_reconcile_after_the_server_forgot_the_key_never_makes_a_second_ti
     tmp_path: Path, probe: AsyncProbe | None
 ) -> None:
     database, journal = tmp_path / "service.db", tmp_path / "journal.sqlite3"
-    app = create_app(f"sqlite:///{database}", ticket_ttl=timedelta(seconds=1))
+    app = create_app(
+        f"sqlite:///{database}", ticket_ttl=timedelta(seconds=1), lease=timedelta(seconds=0.5)
+    )
     async with (
         serve(app) as port,
         FaultProxy(port, rates=FaultRates(drop_response=1.0), delay=0.0) as proxy,

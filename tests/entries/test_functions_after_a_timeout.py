@@ -35,7 +35,7 @@ def store(backend_store: Store) -> Store:
 async def test_a_call_first_sent_before_the_retention_and_the_purge_runs_nothing(
     store: Store,
 ) -> None:
-    protect = IdempotentFunctions(store, ttl=RETENTION)
+    protect = IdempotentFunctions(store, ttl=RETENTION, lease=RETENTION / 2)
     runs: list[str] = []
 
     @protect(key=lambda order, **_: order, first_sent=lambda sent, **_: sent)
@@ -66,7 +66,7 @@ async def test_a_call_first_sent_before_the_retention_and_the_purge_runs_nothing
 
 
 async def test_a_caller_looks_its_key_up_without_running_it(store: Store) -> None:
-    protect = IdempotentFunctions(store, ttl=60)
+    protect = IdempotentFunctions(store, ttl=600)
     gate = anyio.Event()
 
     @protect(key=lambda order, **_: order)

@@ -78,7 +78,7 @@ class Tools:
     def server(
         self, store: Store | None = None, *, scope: Scope = "mcp", **options: Any
     ) -> MCPServer:
-        protect = IdempotentTools(store or MemoryStore(clock=self.clock), ttl=60, scope=scope)
+        protect = IdempotentTools(store or MemoryStore(clock=self.clock), ttl=120, scope=scope)
         server = MCPServer("tools", extensions=[protect], lifespan=protect.lifespan, **options)
 
         @server.tool()

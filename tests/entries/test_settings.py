@@ -124,11 +124,11 @@ def test_the_values_given_are_kept_as_the_check_makes_them() -> None:
 
 
 def test_a_route_overrides_only_what_its_sources_set_the_most_specific_first() -> None:
-    defaults = settings_of({"ttl": 60, "wait": 1})
+    defaults = settings_of({"ttl": 600, "wait": 1, "lease": 2})
     route = combined([overrides({"ttl": 5}), overrides({"ttl": 9, "release_statuses": [409]})])
     merged = defaults.merge(route)
     assert (merged.ttl, merged.wait, merged.release_statuses) == (5.0, 1.0, frozenset({409}))
-    assert merged.lease == defaults.lease == Settings().lease
+    assert merged.lease == defaults.lease == 2
     assert defaults.merge(None) is defaults
     assert combined([]) is None
 
@@ -137,3 +137,33 @@ def test_the_typed_names_and_the_checked_settings_must_agree() -> None:
     # Run once at import on the real descriptions; here on two that differ.
     with pytest.raises(TypeError, match=r"\['fenced'\] in only one of them"):
         same_names(frozenset({"ttl"}), ["ttl", "fenced"])
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_ttl_not_longer_than_its_lease_is_refused_by_every_entry(entry: str) -> None:
+    with pytest.raises(ConfigurationError, match="ttl must be longer than lease"):
+        ENTRIES[entry]({"ttl": 30, "lease": 30})
+
+
+@pytest.mark.parametrize("entry", ["middleware", "install", *CALL_ENTRIES])
+def test_a_ttl_within_the_default_lease_is_refused(entry: str) -> None:
+    with pytest.raises(ConfigurationError, match="got ttl=30 s and lease=60 s"):
+        ENTRIES[entry]({"ttl": 30})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("where", ["@idempotent", "routes="])
+async def test_a_routes_ttl_within_the_middlewares_lease_fails_the_start_up(where: str) -> None:
+    from asgi_lifespan import LifespanManager
+
+    app = FastAPI()
+    routes: dict[str, RouteOptions] = {"/x": {"ttl": 30}} if where == "routes=" else {}
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), lease=60, routes=routes)
+
+    @app.post("/x")
+    @idempotent(**cast(RouteOptions, {"ttl": 30} if where == "@idempotent" else {}))
+    async def x() -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"route 'POST /x': ttl must be longer than"):
+        async with LifespanManager(app):
+            pass

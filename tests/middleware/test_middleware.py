@@ -454,7 +454,11 @@ async def test_per_route_ttl_from_the_routes_mapping_and_decorator_precedence(
     store: Store, fake_time: FakeTime
 ) -> None:
     app = make_app(
-        store, routes={"/tickets/{ticket_id}/close": {"ttl": 0.3}, "/short-ttl": {"ttl": 60}}
+        store,
+        routes={
+            "/tickets/{ticket_id}/close": {"ttl": 0.3, "lease": 0.2},
+            "/short-ttl": {"ttl": 60},
+        },
     )
     async with client_for(app) as client:
         await client.post("/tickets/1/close", headers=key("k"))

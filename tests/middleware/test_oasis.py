@@ -300,7 +300,7 @@ async def test_a_first_sent_time_too_old_is_rejected() -> None:
 async def test_the_openapi_schema_documents_the_oasis_headers_and_a_whole_retention() -> None:
     app = service(MemoryStore(), ttl=600)
     custom = service(
-        MemoryStore(), request_id_header=None, first_sent_header="X-First-Sent", ttl=0.5
+        MemoryStore(), request_id_header=None, first_sent_header="X-First-Sent", ttl=0.5, lease=0.25
     )
     async with client_for(app) as client, client_for(custom) as other:
         schema = (await client.get("/openapi.json")).json()

@@ -42,7 +42,7 @@ def service(store: Store, **options: Any) -> FastAPI:
     orders = APIRouter(prefix="/orders", dependencies=[Depends(caller_id)])
 
     @orders.post("", status_code=201)
-    @idempotent(required=True, ttl=0.4)
+    @idempotent(required=True, ttl=0.4, lease=0.2)
     async def create_order() -> dict[str, int]:
         calls["create"] += 1
         return {"run": calls["create"]}
@@ -171,7 +171,7 @@ async def test_routes_mapping_per_method(store: Store, fake_time: FakeTime) -> N
         store,
         routes={
             "DELETE /v1/api/orders/{order_id}": {"required": True},
-            "/v1/api/orders/{order_id}": {"ttl": 0.3},
+            "/v1/api/orders/{order_id}": {"ttl": 0.3, "lease": 0.2},
         },
     )
     async with client_for(app) as client:
@@ -192,7 +192,7 @@ async def test_routes_entry_matching_no_route_is_reported_at_startup(
 ) -> None:
     app = service(
         store,
-        routes={"/v1/api/orders": {"ttl": 60}, "/v1/api/typo": {"ttl": 60}, "GET /v1/*": {}},
+        routes={"/v1/api/orders": {"ttl": 120}, "/v1/api/typo": {"ttl": 120}, "GET /v1/*": {}},
     )
     with caplog.at_level(logging.WARNING, "idempotency_mw"):
         async with LifespanManager(app):

@@ -222,14 +222,14 @@ async def test_proofs_expire_with_the_key_and_the_purge_deletes_them(
     app_engine: AsyncEngine,
 ) -> None:
     store = MemoryStore()
-    async with client_for(order_service(store, app_engine, ttl=1)) as client:
+    async with client_for(order_service(store, app_engine, ttl=1, lease=0.5)) as client:
         assert (await post(client, "e")).status_code == 201
         report = await purge(ProofTable(app_engine))
         assert report.deleted == 0  # still live
         async with app_engine.begin() as conn:
             await conn.execute(proofs.update().values(expires_at=proofs.c.expires_at - 2000))
         # Past its TTL the key is new again, in the store as in the proof table.
-        async with client_for(order_service(MemoryStore(), app_engine, ttl=1)) as fresh:
+        async with client_for(order_service(MemoryStore(), app_engine, ttl=1, lease=0.5)) as fresh:
             assert (await post(fresh, "e")).status_code == 201
         async with app_engine.begin() as conn:
             await conn.execute(proofs.update().values(expires_at=proofs.c.expires_at - 2000))

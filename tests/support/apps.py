@@ -58,7 +58,7 @@ def make_app(store: Store, **options: Any) -> FastAPI:
         return {"run": calls["list"]}
 
     @app.post("/short-ttl")
-    @idempotent(ttl=0.3)
+    @idempotent(ttl=0.3, lease=0.2)
     async def short_ttl() -> dict[str, int]:
         calls["short-ttl"] += 1
         return {"run": calls["short-ttl"]}

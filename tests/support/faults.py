@@ -543,34 +543,34 @@ class PostgreSQLServer(StoreServer):
         )
 
 
-class RedisServer(StoreServer):
-    """A ``redis-server`` of the test's own, keeping nothing on disk (data ends with it)."""
+class ProcessServer(StoreServer):
+    """A store server that is one process of ours: :meth:`command` started, ready once
+    :meth:`answers`."""
 
-    def __init__(self) -> None:
-        if shutil.which("redis-server") is None:
-            raise FileNotFoundError("no redis-server program")
-        super().__init__("redis")
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
         self.process: subprocess.Popen[bytes] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+    @abc.abstractmethod
+    def command(self) -> list[str]:
+        """The server's command line."""
+
+    @abc.abstractmethod
+    def answers(self) -> bool:
+        """Whether the server answers a new connection."""
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            [
-                *("redis-server", "--port", str(self.port), "--bind", HOST),
-                *("--save", "", "--appendonly", "no", "--dir", str(self.folder)),
-            ],
+            self.command(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 10
-        while not self._answers():
+        deadline = time.monotonic() + 30
+        while not self.answers():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
+                raise RuntimeError(f"{self.command()[0]} did not start on port {self.port}")
             time.sleep(0.02)
 
     def stop(self) -> None:
@@ -582,7 +582,70 @@ class RedisServer(StoreServer):
         assert self.process is not None, "the server is not running"
         return [self.process.pid]
 
-    def _answers(self) -> bool:
+
+class MariaDBServer(ProcessServer):
+    """A MariaDB server of the test's own (``mariadb-install-db``, ``mariadbd``), user ``root``
+    without a password; ``options`` are given to ``mariadbd``."""
+
+    def __init__(self, *options: str) -> None:
+        self.program = shutil.which("mariadbd") or "/usr/sbin/mariadbd"
+        if not Path(self.program).exists() or shutil.which("mariadb-install-db") is None:
+            raise FileNotFoundError("no mariadbd and mariadb-install-db programs")
+        super().__init__("mariadb")
+        self.data = self.folder / "data"
+        # mariadbd runs as root only when told to.
+        self._user = ["--user=root"] if os.geteuid() == 0 else []
+        self.options = options
+        subprocess.run(
+            [
+                *("mariadb-install-db", "--no-defaults", f"--datadir={self.data}", *self._user),
+                *("--auth-root-authentication-method=normal", "--skip-test-db"),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"mysql://root@{HOST}:{self.port}/mysql"
+
+    def command(self) -> list[str]:
+        return [
+            *(self.program, "--no-defaults", f"--datadir={self.data}", *self._user),
+            *(f"--port={self.port}", f"--bind-address={HOST}", "--skip-log-bin"),
+            *(f"--socket={self.folder / 'sock'}", f"--pid-file={self.folder / 'pid'}"),
+            *self.options,
+        ]
+
+    def answers(self) -> bool:
+        """Whether the server sends its handshake to a new connection."""
+        try:
+            with socket.create_connection((HOST, self.port), timeout=1) as conn:
+                return bool(conn.recv(16))
+        except OSError:
+            return False
+
+
+class RedisServer(ProcessServer):
+    """A ``redis-server`` of the test's own, keeping nothing on disk (data ends with it)."""
+
+    def __init__(self) -> None:
+        if shutil.which("redis-server") is None:
+            raise FileNotFoundError("no redis-server program")
+        super().__init__("redis")
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def command(self) -> list[str]:
+        return [
+            *("redis-server", "--port", str(self.port), "--bind", HOST),
+            *("--save", "", "--appendonly", "no", "--dir", str(self.folder)),
+        ]
+
+    def answers(self) -> bool:
         try:
             with socket.create_connection((HOST, self.port), timeout=1) as conn:
                 conn.sendall(b"PING\r\n")

@@ -59,7 +59,7 @@ def main(kind: str, url: str, keys: list[str]) -> None:
         return {"id": len(runs)}
 
     # Records of a minute: the test's own go soon, in Redis too.
-    app.add_middleware(IdempotencyMiddleware, store=store_of(kind, url), ttl=60)
+    app.add_middleware(IdempotencyMiddleware, store=store_of(kind, url), ttl=120)
 
     async def post(key: str) -> int:
         transport = httpx.ASGITransport(app=app)

@@ -61,7 +61,8 @@ def start_server(folder: Path, port: int, *options: str, config: Path | None = N
 
 @dataclass
 class RedisCluster:
-    """Six ``redis-server --cluster-enabled yes`` processes made into one cluster.
+    """Six ``redis-server --cluster-enabled yes`` processes made into one cluster (``size``
+    processes, ``replicas`` of each primary).
 
     Started by :meth:`start`, ended by :meth:`stop` (the processes this object started, and
     only those); the data folder is removed then.
@@ -71,7 +72,7 @@ class RedisCluster:
     nodes: list[Node] = field(default_factory=list)
 
     @classmethod
-    def start(cls, folder: Path, *, size: int = 6) -> Self:
+    def start(cls, folder: Path, *, size: int = 6, replicas: int = 1) -> Self:
         cluster = cls(folder)
         ports = free_ports(2 * size)
         try:
@@ -83,11 +84,11 @@ class RedisCluster:
                 "create",
                 *(node.address for node in cluster.nodes),
                 "--cluster-replicas",
-                "1",
+                str(replicas),
                 "--cluster-yes",
             )
             cluster.wait_until_ok()
-            cluster._wait_for_replicas()
+            cluster._wait_for_replicas(size * replicas // (replicas + 1))
         except BaseException:
             cluster.stop()
             raise
@@ -127,15 +128,13 @@ class RedisCluster:
             time.sleep(0.1)
         raise TimeoutError(f"the Redis Cluster in {self.folder} was not ok within {timeout} s")
 
-    def _wait_for_replicas(self, timeout: float = 60) -> None:
+    def _wait_for_replicas(self, count: int, timeout: float = 60) -> None:
         """Until every replica has its master's data: only then may it take over."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             infos = [redis_cli(node.port, "INFO", "replication") for node in self.nodes]
             replicas = [info for info in infos if "role:slave" in info]
-            if len(replicas) == len(self.nodes) // 2 and all(
-                "master_link_status:up" in info for info in replicas
-            ):
+            if len(replicas) == count and all("master_link_status:up" in info for info in replicas):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"the replicas in {self.folder} did not sync within {timeout} s")

@@ -25,7 +25,9 @@ from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.stores.feed import CHECK_AFTER, Feeds
 from idempotency_mw.stores.redis import scripts
 from idempotency_mw.stores.redis.admin import RedisInspection
+from idempotency_mw.stores.redis.checks import server_check
 from idempotency_mw.values.exceptions import ConfigurationError, store_error
+from idempotency_mw.values.findings import ServerCheck
 from idempotency_mw.values.metrics import key_digest, key_hash_of
 from idempotency_mw.values.records import (
     Claim,
@@ -69,7 +71,8 @@ class RedisStore(RedisInspection, ClaimsWithToken):
     complete and release a record PUBLISH its digest on the channel ``<prefix>settled``, and
     :meth:`watch_settlements` subscribes to it on a connection of its own.
 
-    The store is :class:`~idempotency_mw.stores.base.Inspectable` (the CLI and the panel).
+    The store is :class:`~idempotency_mw.stores.base.Inspectable` (the CLI and the panel) and
+    :class:`~idempotency_mw.stores.base.ServerChecked` (``idempotency-mw check``).
     """
 
     def __init__(
@@ -275,6 +278,11 @@ class RedisStore(RedisInspection, ClaimsWithToken):
                 await client.script_load(source)
 
         await self._call("startup check", check)
+
+    async def check_server(self) -> ServerCheck:
+        """See :class:`~idempotency_mw.stores.base.ServerChecked`: eviction, persistence,
+        replicas (of a cluster or a Sentinel's primary) and the server's clock."""
+        return await self._call("server check", lambda: server_check(self._here()))
 
     async def watch_settlements(self, on_settled: Callable[[str], None]) -> None:
         """Pass the digest of each record any worker settles to ``on_settled``, until cancelled

@@ -16,6 +16,7 @@ from idempotency_mw.stores.base import ClaimFields, ClaimsWithToken
 from idempotency_mw.stores.feed import Feeds
 from idempotency_mw.stores.sql import notify
 from idempotency_mw.stores.sql.admin import SQLInspection
+from idempotency_mw.stores.sql.checks import server_check
 from idempotency_mw.stores.sql.claims import CLAIMS
 from idempotency_mw.stores.sql.database import Database, engine_for
 from idempotency_mw.stores.sql.schema import check_schema, stored_name
@@ -36,6 +37,7 @@ from idempotency_mw.values.exceptions import (
     StoreError,
     store_error,
 )
+from idempotency_mw.values.findings import ServerCheck
 from idempotency_mw.values.metrics import key_hash
 from idempotency_mw.values.records import (
     Claim,
@@ -82,7 +84,8 @@ class SQLStore(SQLInspection, ClaimsWithToken):
     off by default: PostgreSQL commits notifying transactions one at a time, which halves how
     many settlements it takes per second under concurrency.
 
-    The store is :class:`~idempotency_mw.stores.base.Inspectable` (the CLI and the panel).
+    The store is :class:`~idempotency_mw.stores.base.Inspectable` (the CLI and the panel) and
+    :class:`~idempotency_mw.stores.base.ServerChecked` (``idempotency-mw check``).
     """
 
     def __init__(
@@ -328,6 +331,14 @@ class SQLStore(SQLInspection, ClaimsWithToken):
                     f"{self!r}: the database refused a setting of the URL: {refusal}"
                 ) from exc
             raise
+
+    async def check_server(self) -> ServerCheck:
+        """See :class:`~idempotency_mw.stores.base.ServerChecked`: how commits reach the disk,
+        the timeouts shorter than ``operation_timeout``, and the server's clock."""
+        return await self._call(
+            "server check",
+            lambda ends: server_check(self._database, self._operation_timeout, ends),
+        )
 
     async def aclose(self) -> None:
         await self._feeds.close()
