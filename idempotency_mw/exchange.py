@@ -22,7 +22,7 @@ from idempotency_mw.fence import (
 from idempotency_mw.fingerprint import request_fingerprint
 from idempotency_mw.metrics import EventKind
 from idempotency_mw.options import Options
-from idempotency_mw.problems import Problem, send_problem
+from idempotency_mw.problems import Problem, send_problem, store_failure
 from idempotency_mw.records import Claim, ClaimOutcome
 from idempotency_mw.retention import KeyAnswers
 from idempotency_mw.settings import Settings
@@ -316,10 +316,11 @@ class Exchange:
                 )
                 return UNPROTECTED
             logger.warning("idempotency store failed to claim key %s: %s", call.key_id, exc)
+            problem, status, words = store_failure(exc)
             await self._problem(
-                Problem.STORE_UNAVAILABLE,
-                503,
-                "The idempotency store is unavailable; retry with the same key.",
+                problem,
+                status,
+                words or "The idempotency store is unavailable; retry with the same key.",
             )
             return None
         if claim.outcome is ClaimOutcome.ACQUIRED:

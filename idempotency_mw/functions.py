@@ -380,6 +380,8 @@ class IdempotentFunctions:
         store = self.engine.store
         if not isinstance(store, KeyLookup):
             raise ConfigurationError(f"{store!r} cannot look keys up")
+        if not self._checked:
+            await self.startup()
         return await store.lookup(scope or self.scope, key, binding=binding)
 
     def _stored(self, result: Any, call: Call) -> StoredResponse | None:

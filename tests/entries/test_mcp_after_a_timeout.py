@@ -24,6 +24,7 @@ from idempotency_mw.mcp import (
     IDEMPOTENCY_ERROR,
     LOOKUP_METHOD,
     REPLAYED_META,
+    IdempotentMCPServer,
     IdempotentTools,
     KeyLookupResult,
     LookupParams,
@@ -43,7 +44,8 @@ def store(backend_store: Store) -> Store:
 def tickets(store: Store, runs: list[str], **options: Any) -> MCPServer:
     """``create_ticket`` (its runs in ``runs``) and ``charge`` (which answers its downstream
     key, and crashes on its first run), protected with a 2 s retention."""
-    server = MCPServer("tickets", extensions=[IdempotentTools(store, ttl=RETENTION, **options)])
+    protect = IdempotentTools(store, ttl=RETENTION, **options)
+    server = IdempotentMCPServer("tickets", extensions=[protect])
 
     @server.tool()
     async def create_ticket(title: str) -> str:
