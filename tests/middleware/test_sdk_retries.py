@@ -36,6 +36,7 @@ FINAL = {
     Problem.TOO_LARGE,
     Problem.EXPIRED_KEY,
     Problem.INVALID_FIRST_SENT,
+    Problem.STORE_NOT_READY,
 }
 LATER = {Problem.IN_PROGRESS, Problem.STORE_UNAVAILABLE, Problem.LEASE_LOST}
 
