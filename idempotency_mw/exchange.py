@@ -58,6 +58,13 @@ _REFUSALS: dict[ClaimOutcome, tuple[Problem, int, str]] = {
         409,
         "This key's request took effect, but its response is not available; do not send it again.",
     ),
+    ClaimOutcome.EXPIRED: (
+        Problem.EXPIRED_KEY,
+        412,
+        "This request was first sent longer ago than this server keeps its key, or later than "
+        "now: whether it ran cannot be told, so it did not run. Look its outcome up by other "
+        "means; send a new request with a new key.",
+    ),
 }
 
 
@@ -295,6 +302,7 @@ class Exchange:
                 wait=self.settings.wait,
                 binding=binding,
                 fenced=self.settings.fenced,
+                first_sent=self.answers.first_sent,
             ),
             method=self.scope["method"],
             route=self.template,
@@ -324,26 +332,13 @@ class Exchange:
             )
             return None
         if claim.outcome is ClaimOutcome.ACQUIRED:
-            assert claim.token is not None
-            if self.answers.refuses(self.settings.ttl):
-                # No record was found: the caller's may have been purged. The claim goes.
-                await call.release(claim.token)
-                self.answers.reject()
-                await send_problem(
-                    self.send,
-                    Problem.EXPIRED_KEY,
-                    412,
-                    "This request was first sent longer ago than this server keeps its key "
-                    f"({self.settings.ttl:g} s), or later than now: whether it ran cannot be "
-                    "told, so it did not run. Look its outcome up by other means; send a new "
-                    "request with a new key.",
-                )
-                return None
             self.answers.ran(self.settings.ttl, self.settings.release_statuses)
             return claim
         if claim.outcome is ClaimOutcome.IN_PROGRESS:
             # Kept until ttl after the running request's completion: later than now + ttl.
             self.answers.ran(self.settings.ttl)
+        elif claim.outcome is ClaimOutcome.EXPIRED:
+            self.answers.reject()  # nothing is kept: the caller's record may have been purged
         else:
             self.answers.found(claim.expires_at)
         if claim.outcome is ClaimOutcome.REPLAY:

@@ -5,8 +5,9 @@ HTTP-date until which the key's record is kept at least (a first run's record is
 from its completion, so the date, taken when its answer starts, is never late). A caller may
 send the time it first sent the operation, ``Repeatability-First-Sent`` (an HTTP-date, as the
 OASIS Repeatable Requests specification defines it): when the key has no record and that time
-is older than the route's ``ttl`` (or further ahead than :data:`FIRST_SENT_SKEW`), the record
-may have been purged, so the request is refused with 412 instead of run as if new. Callers
+is older than the route's ``ttl`` on the store's clock (or further ahead than
+:data:`~idempotency_mw.outcome.FIRST_SENT_SKEW`), the record may have been purged, so the
+claim takes nothing and the request is refused with 412 instead of run as if new. Callers
 that send their key as ``Repeatability-Request-ID`` (OASIS) are also told
 ``Repeatability-Result: accepted`` (their key is kept) or ``rejected``.
 """
@@ -26,9 +27,6 @@ EXPIRES_HEADER = "Idempotency-Key-Expires"
 FIRST_SENT_HEADER = "Repeatability-First-Sent"
 REQUEST_ID_HEADER = "Repeatability-Request-ID"
 RESULT_HEADER = "Repeatability-Result"
-#: How far ahead of the server's clock a first-sent time may be (the caller's clock runs
-#: ahead). An older one is never excused: refusing early is safe, running late is not.
-FIRST_SENT_SKEW = 30.0
 
 
 def http_date(seconds: float) -> str:
@@ -66,12 +64,6 @@ def parse_first_sent(value: object) -> float | None:
     return moment.timestamp() if moment.tzinfo is not None else None
 
 
-def too_old(first_sent: float | None, ttl: float, now: float) -> bool:
-    """Whether an operation first sent at ``first_sent`` may have had a record that is gone:
-    sent longer than ``ttl`` ago, or further ahead than :data:`FIRST_SENT_SKEW`."""
-    return first_sent is not None and not (now - ttl <= first_sent <= now + FIRST_SENT_SKEW)
-
-
 class KeyAnswers:
     """The ``send`` of one keyed request: it adds what the answer says about the key.
 
@@ -97,10 +89,6 @@ class KeyAnswers:
         self._ttl: float | None = None
         self._released: frozenset[int] = frozenset()
         self._rejected = False
-
-    def refuses(self, ttl: float) -> bool:
-        """Whether a key claimed afresh must be refused as too old (see :func:`too_old`)."""
-        return too_old(self.first_sent, ttl, self._clock())
 
     def found(self, expires_at: float | None) -> None:
         """The claim found the caller's record, kept until ``expires_at`` (if known)."""
