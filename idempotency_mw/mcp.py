@@ -149,13 +149,14 @@ class IdempotentMCPServer(MCPServer[LifespanT], Generic[LifespanT]):
         self, name: str, arguments: dict[str, Any], context: Context[LifespanT, Any] | None = None
     ) -> Any:
         run = _tool_run.get()
-        if run is not None:
-            run.failure = _Failure.DELIBERATE
+        if run is None or run.failure is not None:
+            # Not a keyed call, or a tool the called tool calls: the outer call decides.
+            return await super().call_tool(name, arguments, context)
+        run.failure = _Failure.DELIBERATE
         try:
             return await super().call_tool(name, arguments, context)
         except ToolError as exc:
-            if run is not None:
-                run.failure = await self._failure_of(exc, name)
+            run.failure = await self._failure_of(exc, name)
             raise
 
     async def _failure_of(self, exc: ToolError, name: str) -> _Failure:

@@ -118,6 +118,20 @@ class Tools:
             raise ToolError("Error executing tool gateway")
 
         @server.tool()
+        async def broken() -> str:
+            raise RuntimeError("a nested tool crashed")
+
+        @server.tool()
+        async def relay(order: str) -> CallToolResult:
+            self.effects.append(order)
+            try:
+                await server.call_tool("broken", {})
+            except ToolError as exc:  # a crash of the tool it called, answered deliberately
+                words = [TextContent(type="text", text=f"relayed: {exc}")]
+                return CallToolResult(content=words, is_error=True)
+            return CallToolResult(content=[])
+
+        @server.tool()
         async def says(order: str, words: str) -> CallToolResult:
             self.effects.append(order)
             return CallToolResult(content=[TextContent(type="text", text=words)], is_error=True)
@@ -202,12 +216,14 @@ async def test_a_crash_before_the_effect_releases_the_key(tools: Tools, transpor
     assert tools.effects == ["t"]
 
 
-#: Deliberate errors whose words are a crash's, an unknown tool's, a nested crash's.
+#: Deliberate errors whose words are a crash's, an unknown tool's, a nested crash's, and one
+#: answered after a tool the tool called crashed.
 LOOK_ALIKES = [
     ("gateway", {"order": "o-1"}),
     ("says", {"order": "o-1", "words": "Error executing tool says"}),
     ("says", {"order": "o-1", "words": "Unknown tool: says"}),
     ("says", {"order": "o-1", "words": "Error executing tool says: Error executing tool x"}),
+    ("relay", {"order": "o-1"}),
 ]
 
 
