@@ -127,8 +127,8 @@ class Tools:
             try:
                 await server.call_tool("broken", {})
             except ToolError as exc:  # a crash of the tool it called, answered deliberately
-                words = [TextContent(type="text", text=f"relayed: {exc}")]
-                return CallToolResult(content=words, is_error=True)
+                words = TextContent(type="text", text=f"relayed: {exc}")
+                return CallToolResult(content=[words], is_error=True)
             return CallToolResult(content=[])
 
         @server.tool()
