@@ -161,6 +161,8 @@ async def _store_statements(
         from idempotency_mw.stores.sql.claims import CLAIMS
         from idempotency_mw.stores.sql.database import Database, engine_for
         from idempotency_mw.stores.sql.statements import SILENT
+        from idempotency_mw.values.outcome import Asking
+        from idempotency_mw.values.records import ClaimOutcome
     except ImportError:
         return None
     await prepare_sql(url)
@@ -179,13 +181,17 @@ async def _store_statements(
             "p_token": token,
             "p_ttl_ms": 86_400_000,
             "p_lease_ms": 60_000,
+            "p_first_sent_ms": None,
+            "p_skew_ms": 30_000,
             "p_status": "completed",
             "p_response_status": 201,
             "p_response_headers": b"\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json",
             "p_result_payload": BODY,
         }
-        _, taken = await claim.attempt(driver, params, math.inf, durable=True)
-        assert taken
+        asking = Asking("f" * 64, token=token, ttl=86_400)
+        taken = await claim.attempt(driver, params, asking, math.inf, durable=True)
+        assert taken is not None
+        assert taken.outcome is ClaimOutcome.ACQUIRED
         assert await driver.change(SILENT.complete, params, deadline=math.inf) == 1
 
     return operation

@@ -46,7 +46,7 @@ from benchmarks.common import (
 )
 from idempotency_mw import IdempotencyMiddleware, RedisStore, SQLStore, Store
 from idempotency_mw.client.mcp import key_meta
-from idempotency_mw.mcp import IdempotentTools
+from idempotency_mw.mcp import IdempotentMCPServer, IdempotentTools
 from idempotency_mw.testing import MemoryStore
 
 STORES = ("memory", "sqlite", "redis")
@@ -77,7 +77,7 @@ def http_app(store: Store) -> Any:
 
 
 def tool_server(store: Store) -> MCPServer:
-    server = MCPServer("bench", extensions=[IdempotentTools(store)], log_level="WARNING")
+    server = IdempotentMCPServer("bench", extensions=[IdempotentTools(store)], log_level="WARNING")
 
     @server.tool()
     async def create_ticket(title: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 
 from example_app.app import DEFAULT_DATABASE_URL, Ticket, example_engine, metadata, tickets
 from idempotency_mw import SQLStore, fence
-from idempotency_mw.mcp import TOOL_META, IdempotentTools
+from idempotency_mw.mcp import TOOL_META, IdempotentMCPServer, IdempotentTools
 from idempotency_mw.stores.sql.migrate import upgrade
 
 #: The database while the server serves: set up (migrations, the example's tables) before,
@@ -42,7 +42,7 @@ def create_server(database_url: str | None = None) -> tuple[MCPServer, Serving]:
     # A retry that finds the first call still running waits for its result a while.
     protect = IdempotentTools(store, tools={"create_ticket"}, lease=timedelta(seconds=10), wait=5)
     # Its lifespan checks the store when the server starts (after serving() migrated it).
-    server = MCPServer(
+    server = IdempotentMCPServer(
         "tickets", extensions=[protect], lifespan=protect.lifespan, log_level="WARNING"
     )
 

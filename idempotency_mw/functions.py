@@ -25,7 +25,6 @@ from idempotency_mw.engine.claim import Call, ClaimEngine, ClaimRequest, LeaseUn
 from idempotency_mw.engine.fence import current_claim
 from idempotency_mw.engine.lease import Clock
 from idempotency_mw.http.lifespan import check_store
-from idempotency_mw.http.retention import too_old
 from idempotency_mw.stores.base import KeyLookup, Store
 from idempotency_mw.values.exceptions import (
     ConfigurationError,
@@ -310,8 +309,8 @@ class IdempotentFunctions:
 
         ``first_sent``: when the caller first sent this call (Unix seconds or an aware
         datetime), given on every retry. When the key has no record and that is longer ago
-        than ``ttl`` (the record may be gone) or ahead of now, :class:`KeyExpired` is raised
-        and nothing runs.
+        than ``ttl`` on the store's clock (the record may be gone) or ahead of it,
+        :class:`KeyExpired` is raised and nothing runs.
         """
         if not is_valid_key(key):
             raise InvalidKey(key_rule(f"the key of {name}"))
@@ -327,6 +326,7 @@ class IdempotentFunctions:
             wait=self.settings.wait,
             binding=binding,
             fenced=self.settings.fenced,
+            first_sent=sent,
         )
         call = self.engine.call(request, method="CALL", route=name)
         async with self.engine.hold(answered=lambda: False) as hold:
@@ -347,13 +347,6 @@ class IdempotentFunctions:
                 raise self._refusal(claim.outcome)
             assert hold.claim_held is not None
             token = hold.claim_held.token
-            ttl = self.settings.ttl
-            if too_old(sent, ttl, time.time()):
-                await call.release(token)  # no record was found: none is left behind
-                raise KeyExpired(
-                    f"this call was first sent longer ago than its key is kept ({ttl:g} s), "
-                    "or later than now: whether it ran cannot be told, so it did not run"
-                )
             reset = current_claim.set(hold.claim_held)
             try:
                 result = await work()
@@ -383,6 +376,8 @@ class IdempotentFunctions:
         store = self.engine.store
         if not isinstance(store, KeyLookup):
             raise ConfigurationError(f"{store!r} cannot look keys up")
+        if not self._checked:
+            await self.startup()
         return await store.lookup(scope or self.scope, key, binding=binding)
 
     def _stored(self, result: Any, call: Call) -> StoredResponse | None:
@@ -417,6 +412,12 @@ class IdempotentFunctions:
             )
         if outcome is ClaimOutcome.COMMITTED_WITHOUT_RESPONSE:
             return CommittedWithoutResult(COMMITTED_WITHOUT_RESULT)
+        if outcome is ClaimOutcome.EXPIRED:
+            return KeyExpired(
+                f"this call was first sent longer ago than its key is kept "
+                f"({self.settings.ttl:g} s), or later than now: whether it ran cannot be told, "
+                "so it did not run"
+            )
         return ResultNotReplayable(
             "the call with this key ran, but its result could not be recorded for replay"
         )

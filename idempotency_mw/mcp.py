@@ -1,4 +1,5 @@
-"""MCP tool calls once per key: an extension of the ``mcp`` SDK's ``MCPServer``.
+"""MCP tool calls once per key: an extension of the ``mcp`` SDK's ``MCPServer``, on
+:class:`IdempotentMCPServer`, which tells it a crash from a deliberate error by type.
 
 A ``tools/call`` whose ``params._meta["idempotencyKey"]`` is set runs through
 :class:`~idempotency_mw.functions.IdempotentFunctions` on its key, fingerprinted by the tool's
@@ -16,18 +17,22 @@ at its own key without calling the tool. Needs the ``[mcp]`` extra.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import inspect
 import json
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
-from typing import Any, Unpack
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Generic, Unpack
 
 import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.extension import Extension, MethodBinding
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.server.request_state import authenticated_principal
 from mcp.shared.exceptions import MCPError
 from mcp_types import (
@@ -37,9 +42,10 @@ from mcp_types import (
     ErrorData,
     RequestParams,
     Result,
-    TextContent,
 )
+from pydantic import ValidationError
 from starlette.requests import HTTPConnection
+from typing_extensions import TypeVar
 
 from idempotency_mw.credentials import bound_headers, credential_digest
 from idempotency_mw.engine.fence import UNKEYED, CurrentClaim, current_claim
@@ -58,7 +64,7 @@ from idempotency_mw.http.retention import parse_first_sent
 from idempotency_mw.stores.base import Store
 from idempotency_mw.values.exceptions import IdempotencyError, LeaseLost, StoreError
 from idempotency_mw.values.metrics import EventHook
-from idempotency_mw.values.problems import RETRYABLE, Problem
+from idempotency_mw.values.problems import RETRYABLE, Problem, store_failure
 from idempotency_mw.values.settings import CallOptions
 from idempotency_mw.wire import is_valid_key, key_rule
 
@@ -107,6 +113,65 @@ class ToolResultCodec:
         return result.model_copy(update={"meta": {**(result.meta or {}), REPLAYED_META: True}})
 
 
+class _Failure(enum.Enum):
+    """How a tool call failed below the SDK's conversion of its exception into a result."""
+
+    #: An ``UnexpectedToolError``: released like a 500 (unless its effect committed).
+    CRASHED = "crashed"
+    #: The tool was never reached (unknown, or its arguments failed the input schema):
+    #: released like FastAPI's 422.
+    NOT_REACHED = "not-reached"
+    #: A deliberate ``ToolError`` (the tool's own answer): recorded.
+    DELIBERATE = "deliberate"
+
+
+@dataclass
+class _ToolRun:
+    """What :class:`IdempotentMCPServer` saw of the keyed call under way (``None``: the call
+    did not go through one, so a crash cannot be told from a deliberate error)."""
+
+    failure: _Failure | None = None
+
+
+#: The keyed call under way, set by the interceptor around the SDK's handler.
+_tool_run: ContextVar[_ToolRun | None] = ContextVar("idempotency_mw_tool_run", default=None)
+
+#: The server's lifespan value, as ``MCPServer``'s (``Any`` unless told).
+LifespanT = TypeVar("LifespanT", default=Any)
+
+
+class IdempotentMCPServer(MCPServer[LifespanT], Generic[LifespanT]):
+    """An ``MCPServer`` that tells :class:`IdempotentTools` how a tool failed, by the type the
+    SDK raised (``UnexpectedToolError`` for a crash, ``ToolError`` for a deliberate failure),
+    before the SDK turns it into an ``isError`` result. Build protected servers with it; on a
+    plain ``MCPServer`` every ``isError`` result is recorded, crashes included (what cannot be
+    told apart is never run twice)."""
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], context: Context[LifespanT, Any] | None = None
+    ) -> Any:
+        run = _tool_run.get()
+        if run is None or run.failure is not None:
+            # Not a keyed call, or a tool the called tool calls: the outer call decides.
+            return await super().call_tool(name, arguments, context)
+        run.failure = _Failure.DELIBERATE
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as exc:
+            run.failure = await self._failure_of(exc, name)
+            raise
+
+    async def _failure_of(self, exc: ToolError, name: str) -> _Failure:
+        if isinstance(exc, UnexpectedToolError):
+            return _Failure.CRASHED
+        # The SDK's own test for arguments that failed the input schema.
+        if isinstance(exc.__cause__, ValidationError):
+            return _Failure.NOT_REACHED
+        if all(tool.name != name for tool in await self.list_tools()):
+            return _Failure.NOT_REACHED
+        return _Failure.DELIBERATE
+
+
 class _Unrecorded(Exception):
     """The call's answer is not a record: its key is released, and this is answered."""
 
@@ -116,7 +181,7 @@ class _Unrecorded(Exception):
 
 class IdempotentTools(Extension):
     """Runs each keyed ``tools/call`` once per key on ``store``:
-    ``MCPServer("tickets", extensions=[protect], lifespan=protect.lifespan)`` with
+    ``IdempotentMCPServer("tickets", extensions=[protect], lifespan=protect.lifespan)`` with
     ``protect = IdempotentTools(store)``.
 
     ``tools`` names the protected tools (default: every tool); the others run as they are,
@@ -146,6 +211,7 @@ class IdempotentTools(Extension):
         **settings: Unpack[CallOptions],
     ) -> None:
         self.protected = None if tools is None else frozenset(tools)
+        self._warned = False
         self.scope = scope
         self.functions = IdempotentFunctions(
             store,
@@ -223,14 +289,20 @@ class IdempotentTools(Extension):
         name = params.name
 
         async def run() -> CallToolResult | ErrorData:
+            seen = _ToolRun()
+            reset = _tool_run.set(seen)
             # A client that goes away (a timeout, a closed stream) cancels its request: a tool
             # that started finishes and is settled, as a request whose HTTP client left.
-            with anyio.CancelScope(shield=True):
-                try:
+            try:
+                with anyio.CancelScope(shield=True):
                     result = await call_next(ctx)
-                except MCPError as exc:
-                    return exc.error
-            return _outcome(result, name)
+            except MCPError as exc:
+                return exc.error
+            finally:
+                _tool_run.reset(reset)
+            if seen.failure is None and isinstance(result, CallToolResult) and result.is_error:
+                self._cannot_tell()
+            return _outcome(result, seen.failure)
 
         try:
             outcome = await self.functions.call(
@@ -250,6 +322,17 @@ class IdempotentTools(Extension):
             raise MCPError.from_error_data(outcome)
         assert isinstance(outcome, CallToolResult)
         return outcome
+
+    def _cannot_tell(self) -> None:
+        """Say once that this server's crashes are recorded (it is not an
+        :class:`IdempotentMCPServer`)."""
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "IdempotentTools: a tool answered an error on a server that is not an "
+                "IdempotentMCPServer, where a crash cannot be told from a deliberate error: "
+                "it is recorded, and its retries get it replayed (said once)"
+            )
 
     async def _caller(self, ctx: ServerRequestContext[Any, Any]) -> tuple[str, str]:
         """The call's scope, and the digest of the credentials its record is bound to."""
@@ -322,53 +405,22 @@ def tool_fingerprint(name: str, arguments: dict[str, Any] | None) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _outcome(result: HandlerResult, name: str) -> CallToolResult | ErrorData:
-    """What a call of the tool ``name`` that answered ``result`` leaves behind: the result to
-    record, or the committed-without-response refusal; raises :class:`_Unrecorded` when the
-    key is released instead (the tool asked for input, failed before it ran, or crashed)."""
+def _outcome(result: HandlerResult, failure: _Failure | None) -> CallToolResult | ErrorData:
+    """What a call that answered ``result`` (having raised ``failure``, as
+    :class:`IdempotentMCPServer` saw it) leaves behind: the result to record, or the
+    committed-without-response refusal; raises :class:`_Unrecorded` when the key is released
+    instead (the tool asked for input, was never reached, or crashed)."""
     if not isinstance(result, CallToolResult):
         raise _Unrecorded(result)
-    if not result.is_error:
+    if not result.is_error or failure in (None, _Failure.DELIBERATE):
         return result
-    text = _only_text(result)
-    if text is not None and _crashed(text, name):
-        claim = current_claim.get()
-        if isinstance(claim, CurrentClaim) and (claim.fenced or claim.committed_earlier):
-            return _COMMITTED
-        meta = {**(result.meta or {}), RETRY_META: True}
-        raise _Unrecorded(result.model_copy(update={"meta": meta}))
-    if text is not None and _before_the_tool(text, name):
+    if failure is _Failure.NOT_REACHED:
         raise _Unrecorded(result)
-    return result
-
-
-def _only_text(result: CallToolResult) -> str | None:
-    """The text of a result made of one text and nothing else, as the SDK's errors are."""
-    if result.structured_content is None and len(result.content) == 1:
-        (content,) = result.content
-        if isinstance(content, TextContent):
-            return content.text
-    return None
-
-
-# The mcp SDK catches a tool's exceptions below the interceptor and answers an isError result
-# whose text is all that tells them apart (the SDK's exceptions.py documents each).
-
-
-def _crashed(text: str, name: str) -> bool:
-    """An UnexpectedToolError's text: only "Error executing tool <name>", followed by the same
-    for a nested tool or resource that crashed. Released like a 500; a ToolError's text (the
-    tool's deliberate answer) goes on after the name with the tool's own words."""
-    nested = r"(?:: Error (?:executing tool|reading resource|creating resource from template) \S+)*"
-    return re.fullmatch(f"Error executing tool {re.escape(name)}{nested}", text) is not None
-
-
-def _before_the_tool(text: str, name: str) -> bool:
-    """An answer given before the tool's body ran, released like FastAPI's 422 or an app's
-    404: an unknown tool, or arguments that failed its input schema (a pydantic
-    ValidationError's text)."""
-    invalid = f"Error executing tool {re.escape(name)}: [0-9]+ validation errors? for "
-    return text == f"Unknown tool: {name}" or re.match(invalid, text) is not None
+    claim = current_claim.get()
+    if isinstance(claim, CurrentClaim) and (claim.fenced or claim.committed_earlier):
+        return _COMMITTED
+    meta = {**(result.meta or {}), RETRY_META: True}
+    raise _Unrecorded(result.model_copy(update={"meta": meta}))
 
 
 #: Each refusal's problem and status.
@@ -380,22 +432,25 @@ _PROBLEMS: list[tuple[type[IdempotencyError], Problem, int]] = [
     (CommittedWithoutResult, Problem.COMMITTED_WITHOUT_RESPONSE, 409),
     (KeyExpired, Problem.EXPIRED_KEY, 412),
     (LeaseLost, Problem.LEASE_LOST, 503),
-    (StoreError, Problem.STORE_UNAVAILABLE, 503),
 ]
 
 
-_REFUSED = tuple(kind for kind, _, _ in _PROBLEMS)
+_REFUSED: tuple[type[IdempotencyError], ...] = (*(kind for kind, _, _ in _PROBLEMS), StoreError)
 
 
 def refusal(exc: IdempotencyError) -> MCPError:
     """The JSON-RPC error that tells the caller why its keyed call was not run: code
     :data:`IDEMPOTENCY_ERROR`, the problem (``type``, ``title``, ``status``, ``detail`` and,
     when a retry may help, ``retryAfter`` in seconds) as ``data``."""
-    problem, status = next(
-        (problem, status) for kind, problem, status in _PROBLEMS if isinstance(exc, kind)
-    )
-    # A store's message names the store; the caller is told only that it failed.
-    detail = "the idempotency store failed" if isinstance(exc, StoreError) else str(exc)
+    if isinstance(exc, StoreError):
+        problem, status, words = store_failure(exc)
+        # A store's message names the store; the caller is told only that it failed.
+        detail = words or "the idempotency store failed"
+    else:
+        problem, status = next(
+            (problem, status) for kind, problem, status in _PROBLEMS if isinstance(exc, kind)
+        )
+        detail = str(exc)
     retry_after = exc.retry_after if isinstance(exc, StillRunning) else 1
     return _problem_error(problem, status, detail, retry_after)
 

@@ -12,9 +12,9 @@ from datetime import UTC, datetime
 
 from idempotency_mw.operator.conformance import CASES, CaseResult, ConformanceResult, conformance
 from idempotency_mw.stores.base import ClaimsWithToken
+from idempotency_mw.values.outcome import Asking, Found, decide, lookup_state
 from idempotency_mw.values.records import (
     Claim,
-    ClaimOutcome,
     RecordState,
     RecordStatus,
     RecordView,
@@ -22,7 +22,6 @@ from idempotency_mw.values.records import (
     StoreStats,
     pair_of,
     pair_ref,
-    record_state,
     record_version,
 )
 
@@ -30,21 +29,8 @@ __all__ = ["CASES", "CaseResult", "ConformanceResult", "MemoryStore", "conforman
 
 
 @dataclass(frozen=True, slots=True)
-class _Record:
-    fingerprint: str
-    status: RecordStatus
-    token: str
-    lease_ends: float
-    expires: float
-    created: float
-    response: StoredResponse | None = None
-    binding: str = ""
-
-    def expired(self, now: float) -> bool:
-        """Past its TTL and not held by a live lease: as good as absent."""
-        return self.expires <= now and (
-            self.status is not RecordStatus.IN_PROGRESS or self.lease_ends <= now
-        )
+class _Record(Found):
+    created: float = 0.0
 
     def owned_by(self, token: str, now: float) -> bool:
         return (
@@ -86,42 +72,23 @@ class MemoryStore(ClaimsWithToken):
         token: str,
         binding: str = "",
         durable: bool = True,  # ignored: every step is as durable as this store can be
+        first_sent: float | None = None,
     ) -> Claim:
         with self._lock:
             now = self._clock()
-            record = self._records.get((scope, key))
-            if record is not None and record.owned_by(token, now):
-                return Claim(ClaimOutcome.ACQUIRED, token=token)
-            if (
-                record is None
-                or record.expired(now)
-                or (
-                    record.status is RecordStatus.IN_PROGRESS
-                    and record.lease_ends <= now
-                    and record.fingerprint == fingerprint
-                    and record.binding == binding
-                )
-            ):
+            asking = Asking(fingerprint, binding, token, ttl, first_sent)
+            decision = decide(self._records.get((scope, key)), now, asking)
+            if decision.take:
                 self._records[scope, key] = _Record(
-                    fingerprint,
                     RecordStatus.IN_PROGRESS,
+                    fingerprint,
                     token,
+                    binding,
                     now + lease,
                     now + ttl,
-                    now,
-                    binding=binding,
+                    created=now,
                 )
-                return Claim(ClaimOutcome.ACQUIRED, token=token)
-            if record.binding != binding:
-                return Claim(ClaimOutcome.CREDENTIAL_MISMATCH)
-            expires = record.expires
-            if record.fingerprint != fingerprint:
-                return Claim(ClaimOutcome.MISMATCH, expires_at=expires)
-            if record.status is RecordStatus.COMPLETED:
-                return Claim(ClaimOutcome.REPLAY, response=record.response, expires_at=expires)
-            if record.status is RecordStatus.UNREPLAYABLE:
-                return Claim(ClaimOutcome.UNREPLAYABLE, expires_at=expires)
-            return Claim(ClaimOutcome.IN_PROGRESS, expires_at=expires)
+            return decision.claim(token)
 
     async def lookup(self, scope: str, key: str, *, binding: str = "") -> RecordState | None:
         """See :class:`~idempotency_mw.stores.base.KeyLookup` (this store marks no fenced
@@ -130,14 +97,7 @@ class MemoryStore(ClaimsWithToken):
             record = self._records.get((scope, key))
             if record is None or record.binding != binding:
                 return None
-            return record_state(
-                record.status.value,
-                fenced=False,
-                lease_ends=record.lease_ends,
-                expires=record.expires,
-                now=self._clock(),
-                response=record.response,
-            )
+            return lookup_state(record, self._clock())
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
         return self._change(
@@ -278,7 +238,7 @@ def _view(name: tuple[str, str], record: _Record, now: float, with_body: bool) -
         key=name[1],
         status=record.status,
         fenced=False,
-        request_hash=record.fingerprint,
+        request_hash=record.request_hash,
         created_at=_utc(record.created),
         lease_expires_at=_utc(record.lease_ends),
         expires_at=_utc(record.expires),

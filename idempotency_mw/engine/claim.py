@@ -19,7 +19,7 @@ from idempotency_mw.engine.fence import CurrentClaim
 from idempotency_mw.engine.lease import Clock, LeaseKeeper, first_renewal_in
 from idempotency_mw.engine.waiting import Settlements
 from idempotency_mw.stores.base import Store, takes_keyword
-from idempotency_mw.values.exceptions import StoreError
+from idempotency_mw.values.exceptions import ConfigurationError, StoreError
 from idempotency_mw.values.metrics import Event, EventHook, EventKind, key_hash
 from idempotency_mw.values.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.values.settings import LeaseLostAction
@@ -36,6 +36,7 @@ _OUTCOME_EVENTS = {
     ClaimOutcome.UNREPLAYABLE: EventKind.NOT_REPLAYABLE,
     ClaimOutcome.CREDENTIAL_MISMATCH: EventKind.CREDENTIAL_MISMATCH,
     ClaimOutcome.COMMITTED_WITHOUT_RESPONSE: EventKind.COMMITTED_WITHOUT_RESPONSE,
+    ClaimOutcome.EXPIRED: EventKind.EXPIRED_KEY,
 }
 
 #: A store call's keywords: ``durable=False`` when its flush may be skipped; never changed.
@@ -58,6 +59,9 @@ class ClaimRequest(NamedTuple):
     #: The call declares it commits its effect with ``fence()``: its claim and completion
     #: need not wait for their own flush (see :class:`~idempotency_mw.stores.base.Store`).
     fenced: bool = False
+    #: When its caller first sent it (Unix seconds), if it said: the store refuses it
+    #: (``EXPIRED``) when the key is free and that is longer ago than ``ttl``.
+    first_sent: float | None = None
 
 
 class LeaseUnproven(Exception):
@@ -90,6 +94,9 @@ class ClaimEngine:
         self.skips_flushes = takes_keyword(store.claim, "durable") and takes_keyword(
             store.complete, "durable"
         )
+        #: Whether the store decides first-sent times (one written for an earlier protocol
+        #: may not: a call that gives one is then refused with a ConfigurationError).
+        self.decides_first_sent = takes_keyword(store.claim, "first_sent")
         #: The routes declared fenced that returned without ``fence()``, logged once each.
         self._unfenced: set[tuple[str, str]] = set()
 
@@ -354,7 +361,14 @@ class Call:
         request, engine = self.request, self.engine
         deadline = engine.clock() + request.wait
         polls = 0
-        flush = _NOT_DURABLE if self._flush_skippable else _DURABLE
+        keywords: Mapping[str, Any] = _NOT_DURABLE if self._flush_skippable else _DURABLE
+        if request.first_sent is not None:
+            if not engine.decides_first_sent:
+                raise ConfigurationError(
+                    f"{engine.store!r} takes no first_sent= in claim(), so it cannot refuse a "
+                    "call first sent longer ago than its key is kept"
+                )
+            keywords = {**keywords, "first_sent": request.first_sent}
         while True:
             self.claimed_at = claimed_at = engine.clock()
             claim = await self._store_call(
@@ -366,7 +380,7 @@ class Call:
                     ttl=request.ttl,
                     lease=request.lease,
                     binding=request.binding,
-                    **flush,
+                    **keywords,
                 ),
             )
             if claim.outcome is not ClaimOutcome.IN_PROGRESS or claimed_at >= deadline:

@@ -23,7 +23,7 @@ from idempotency_mw.http.options import Options
 from idempotency_mw.http.retention import KeyAnswers
 from idempotency_mw.values.exceptions import EffectCommitted, LeaseLost, StoreError
 from idempotency_mw.values.metrics import EventKind
-from idempotency_mw.values.problems import Problem, send_problem
+from idempotency_mw.values.problems import Problem, send_problem, store_failure
 from idempotency_mw.values.records import Claim, ClaimOutcome
 from idempotency_mw.values.settings import Settings
 
@@ -57,6 +57,13 @@ _REFUSALS: dict[ClaimOutcome, tuple[Problem, int, str]] = {
         Problem.COMMITTED_WITHOUT_RESPONSE,
         409,
         "This key's request took effect, but its response is not available; do not send it again.",
+    ),
+    ClaimOutcome.EXPIRED: (
+        Problem.EXPIRED_KEY,
+        412,
+        "This request was first sent longer ago than this server keeps its key, or later than "
+        "now: whether it ran cannot be told, so it did not run. Look its outcome up by other "
+        "means; send a new request with a new key.",
     ),
 }
 
@@ -295,6 +302,7 @@ class Exchange:
                 wait=self.settings.wait,
                 binding=binding,
                 fenced=self.settings.fenced,
+                first_sent=self.answers.first_sent,
             ),
             method=self.scope["method"],
             route=self.template,
@@ -316,33 +324,21 @@ class Exchange:
                 )
                 return UNPROTECTED
             logger.warning("idempotency store failed to claim key %s: %s", call.key_id, exc)
+            problem, status, words = store_failure(exc)
             await self._problem(
-                Problem.STORE_UNAVAILABLE,
-                503,
-                "The idempotency store is unavailable; retry with the same key.",
+                problem,
+                status,
+                words or "The idempotency store is unavailable; retry with the same key.",
             )
             return None
         if claim.outcome is ClaimOutcome.ACQUIRED:
-            assert claim.token is not None
-            if self.answers.refuses(self.settings.ttl):
-                # No record was found: the caller's may have been purged. The claim goes.
-                await call.release(claim.token)
-                self.answers.reject()
-                await send_problem(
-                    self.send,
-                    Problem.EXPIRED_KEY,
-                    412,
-                    "This request was first sent longer ago than this server keeps its key "
-                    f"({self.settings.ttl:g} s), or later than now: whether it ran cannot be "
-                    "told, so it did not run. Look its outcome up by other means; send a new "
-                    "request with a new key.",
-                )
-                return None
             self.answers.ran(self.settings.ttl, self._keeps)
             return claim
         if claim.outcome is ClaimOutcome.IN_PROGRESS:
             # Kept until ttl after the running request's completion: later than now + ttl.
             self.answers.ran(self.settings.ttl)
+        elif claim.outcome is ClaimOutcome.EXPIRED:
+            self.answers.reject()  # nothing is kept: the caller's record may have been purged
         else:
             self.answers.found(claim.expires_at, claim.outcome)
         if claim.outcome is ClaimOutcome.REPLAY:

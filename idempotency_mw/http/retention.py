@@ -5,8 +5,9 @@ HTTP-date until which the key's record is kept at least (a first run's record is
 from its completion, so the date, taken when its answer starts, is never late). A caller may
 send the time it first sent the operation, ``Repeatability-First-Sent`` (an HTTP-date, as the
 OASIS Repeatable Requests specification defines it): when the key has no record and that time
-is older than the route's ``ttl`` (or further ahead than :data:`FIRST_SENT_SKEW`), the record
-may have been purged, so the request is refused with 412 instead of run as if new. Every
+is older than the route's ``ttl`` on the store's clock (or further ahead than
+:data:`~idempotency_mw.values.outcome.FIRST_SENT_SKEW`), the record may have been purged, so the
+claim takes nothing and the request is refused with 412 instead of run as if new. Every
 answer to a caller that sends its key as ``Repeatability-Request-ID`` (OASIS) says
 ``Repeatability-Result``: ``accepted`` when the key's record holds this very request's one
 execution, ``rejected`` otherwise (see :meth:`KeyAnswers.accepted`).
@@ -29,9 +30,6 @@ EXPIRES_HEADER = "Idempotency-Key-Expires"
 FIRST_SENT_HEADER = "Repeatability-First-Sent"
 REQUEST_ID_HEADER = "Repeatability-Request-ID"
 RESULT_HEADER = "Repeatability-Result"
-#: How far ahead of the server's clock a first-sent time may be (the caller's clock runs
-#: ahead). An older one is never excused: refusing early is safe, running late is not.
-FIRST_SENT_SKEW = 30.0
 #: The outcomes whose record is another request's: the key reused for another request, or
 #: by other credentials. This request never runs under the key (OASIS 3.2.1.1: ``rejected``).
 _ANOTHER_REQUESTS = frozenset({ClaimOutcome.MISMATCH, ClaimOutcome.CREDENTIAL_MISMATCH})
@@ -76,12 +74,6 @@ def parse_first_sent(value: object) -> float | None:
     return moment.timestamp() if moment.tzinfo is not None else None
 
 
-def too_old(first_sent: float | None, ttl: float, now: float) -> bool:
-    """Whether an operation first sent at ``first_sent`` may have had a record that is gone:
-    sent longer than ``ttl`` ago, or further ahead than :data:`FIRST_SENT_SKEW`."""
-    return first_sent is not None and not (now - ttl <= first_sent <= now + FIRST_SENT_SKEW)
-
-
 class KeyAnswers:
     """The ``send`` of one keyed request: it adds what the answer says about the key.
 
@@ -110,10 +102,6 @@ class KeyAnswers:
         #: Whether the claim found (or took) this request's own record.
         self._own = False
         self._rejected = False
-
-    def refuses(self, ttl: float) -> bool:
-        """Whether a key claimed afresh must be refused as too old (see :func:`too_old`)."""
-        return too_old(self.first_sent, ttl, self._clock())
 
     def found(self, expires_at: float | None, outcome: ClaimOutcome | None = None) -> None:
         """The claim found a record with ``outcome``, kept until ``expires_at`` (if known);

@@ -134,11 +134,14 @@ class _Bench:
         scope: str | None = None,
         binding: str = "",
         durable: bool | None = None,
+        first_sent: float | None = None,
     ) -> Claim:
         scope, key = self._named(key, scope)
-        flush: dict[str, Any] = {} if durable is None else {"durable": durable}
+        given: dict[str, Any] = {} if durable is None else {"durable": durable}
+        if first_sent is not None:
+            given["first_sent"] = first_sent
         return await self.store.claim(
-            scope, key, fingerprint, ttl=ttl, lease=lease, binding=binding, **flush
+            scope, key, fingerprint, ttl=ttl, lease=lease, binding=binding, **given
         )
 
     async def acquire(
@@ -561,6 +564,24 @@ class _PurgesOneScope(Protocol):
     async def purge_expired(self, *, batch_size: int, scope: str | None = None) -> int | None: ...
 
 
+async def first_sent_times_are_judged_on_the_stores_clock(bench: _Bench) -> None:
+    # A worker 25 s behind the store retries a call first sent longer ago than the TTL on the
+    # store's clock (not on its own): no record, so nothing is taken and it is refused.
+    now, ttl = time.time(), 60.0
+    with _clocks_moved(-25):
+        stale = await bench.claim("stale", ttl=ttl, first_sent=now - ttl - 10)
+        ahead = await bench.claim("ahead", ttl=ttl, first_sent=now + 120)
+    _expect_outcome(stale, ClaimOutcome.EXPIRED, "a claim first sent longer ago than its ttl")
+    _expect_outcome(ahead, ClaimOutcome.EXPIRED, "a claim first sent two minutes ahead")
+    await bench.acquire("stale", what="a claim of the key an EXPIRED claim left", ttl=ttl)
+    token = await bench.claim("recent", ttl=ttl, first_sent=now - 5)
+    _expect_outcome(token, ClaimOutcome.ACQUIRED, "a claim first sent 5 s ago")
+    assert token.token is not None
+    _expect(await bench.complete("recent", token.token), "the completion was refused")
+    replay = await bench.claim("recent", ttl=ttl, first_sent=now - 10 * ttl)
+    _expect_outcome(replay, ClaimOutcome.REPLAY, "a stale first-sent retry of a recorded key")
+
+
 Case = Callable[[_Bench], Awaitable[None]]
 
 _CASES: dict[str, Case] = {
@@ -589,6 +610,7 @@ _CASES: dict[str, Case] = {
         keys_are_exact,
         long_keys_are_never_truncated_into_one,
         leases_and_ttls_run_on_the_stores_clock,
+        first_sent_times_are_judged_on_the_stores_clock,
     )
 }
 #: The names of the cases, in the order they run.

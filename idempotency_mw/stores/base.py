@@ -37,7 +37,8 @@ class Store(Protocol):
     the backend (a single SQL statement, a single Lua script), never a read followed by a
     separate write. Times are measured by the backend's clock, never the caller's.
 
-    Contract of :meth:`claim` for a record that is:
+    Contract of :meth:`claim` (decided by :func:`~idempotency_mw.values.outcome.decide` over the
+    record's fields and the store's clock) for a record that is:
 
     - absent, expired (past its TTL and not in progress), or in progress with a lapsed lease,
       the same fingerprint and binding, and no committed effect: taken over, a fresh token
@@ -58,6 +59,11 @@ class Store(Protocol):
     - settled as committed without a response: ``COMMITTED_WITHOUT_RESPONSE``;
     - completed: ``REPLAY`` with the stored response;
     - completed without a replayable response: ``UNREPLAYABLE``.
+
+    A claim that would take the key (absent, expired, or taken over) given a ``first_sent``
+    (Unix seconds: when its caller first sent the call) longer than ``ttl`` before the store's
+    clock, or further ahead than :data:`~idempotency_mw.values.outcome.FIRST_SENT_SKEW`, takes
+    nothing and answers ``EXPIRED``: the caller's record may have been purged.
 
     Of any number of concurrent claims of one absent key, across processes, exactly one is
     ``ACQUIRED``. :meth:`renew`, :meth:`complete` and :meth:`release` act only while the token
@@ -97,6 +103,7 @@ class Store(Protocol):
         lease: float,
         binding: str = "",
         durable: bool = True,
+        first_sent: float | None = None,
     ) -> Claim:
         """Claim ``key`` for a request whose hash is ``fingerprint`` (times in seconds)."""
         ...
@@ -179,7 +186,7 @@ class KeyLookup(Protocol):
         no record, one that counts as absent (past its TTL, no live lease), or one bound to
         other credentials than ``binding`` (so another caller learns nothing, not even that
         the key exists). The recorded response is read along when the record holds one.
-        See :func:`~idempotency_mw.values.records.record_state`.
+        See :func:`~idempotency_mw.values.outcome.lookup_state`.
         """
         ...
 
@@ -264,6 +271,7 @@ class ClaimsWithToken(abc.ABC):
         lease: float,
         binding: str = "",
         durable: bool = True,
+        first_sent: float | None = None,
     ) -> Claim:
         """Claim ``key`` for a request whose hash is ``fingerprint`` (see :class:`Store`)."""
         return await self._claim(
@@ -275,6 +283,7 @@ class ClaimsWithToken(abc.ABC):
             token=new_token(),
             binding=binding,
             durable=durable,
+            first_sent=first_sent,
         )
 
     @abc.abstractmethod
@@ -289,5 +298,6 @@ class ClaimsWithToken(abc.ABC):
         token: str,
         binding: str = "",
         durable: bool = True,
+        first_sent: float | None = None,
     ) -> Claim:
         """:meth:`claim` with the request's ``token``."""

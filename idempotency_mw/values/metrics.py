@@ -36,6 +36,8 @@ class EventKind(enum.StrEnum):
     CREDENTIAL_MISMATCH = "credential_mismatch"
     RECORD_TOO_LARGE = "record_too_large"
     COMMITTED_WITHOUT_RESPONSE = "committed_without_response"
+    #: Refused: first sent longer ago than the key is kept, and no record found.
+    EXPIRED_KEY = "expired_key"
     #: One store operation finished (ok or not).
     STORE_CALL = "store_call"
     #: A claim was acquired / settled: the in-flight gauge goes up / down.

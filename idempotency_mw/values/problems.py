@@ -9,6 +9,8 @@ from http import HTTPStatus
 
 from starlette.types import Send
 
+from idempotency_mw.values.exceptions import SchemaError, StoreError
+
 _TYPE_PREFIX = "urn:idempotency-mw:problem:"
 
 
@@ -22,6 +24,8 @@ class Problem(enum.Enum):
     UNREPLAYABLE = ("not-replayable", "Response for this Idempotency-Key cannot be replayed")
     TOO_LARGE = ("request-too-large", "Request body too large")
     STORE_UNAVAILABLE = ("store-unavailable", "Idempotency store unavailable")
+    #: Its table is missing or old: the operator's to fix (``idempotency-mw migrate``).
+    STORE_NOT_READY = ("store-not-ready", "Idempotency store not set up")
     LEASE_LOST = ("lease-lost", "Request stopped: its Idempotency-Key could no longer be held")
     SCOPE_FAILED = ("scope-failed", "The caller's scope could not be determined")
     CREDENTIAL_MISMATCH = (
@@ -58,6 +62,7 @@ RETRYABLE: Mapping[Problem, bool] = {
     Problem.UNREPLAYABLE: False,
     Problem.COMMITTED_WITHOUT_RESPONSE: False,
     Problem.TOO_LARGE: False,
+    Problem.STORE_NOT_READY: False,
     Problem.EXPIRED_KEY: False,
     Problem.INVALID_FIRST_SENT: False,
     Problem.NOT_REPEATABLE: False,
@@ -65,6 +70,16 @@ RETRYABLE: Mapping[Problem, bool] = {
     Problem.STORE_UNAVAILABLE: True,
     Problem.LEASE_LOST: True,
 }
+
+
+def store_failure(exc: StoreError) -> tuple[Problem, int, str | None]:
+    """How a keyed call is answered when its store failed with ``exc``: a table missing or
+    old (:class:`~idempotency_mw.SchemaError`) is final, 500 with the error's words (they
+    name ``idempotency-mw migrate``); any other failure may pass, 503 (the store's words stay
+    in the server's log: ``None``)."""
+    if isinstance(exc, SchemaError):
+        return Problem.STORE_NOT_READY, 500, str(exc)
+    return Problem.STORE_UNAVAILABLE, 503, None
 
 
 async def send_problem(

@@ -37,6 +37,9 @@ class ClaimOutcome(enum.Enum):
     CREDENTIAL_MISMATCH = "credential_mismatch"
     #: The effect was committed (``fence``) but no response is available.
     COMMITTED_WITHOUT_RESPONSE = "committed_without_response"
+    #: No record of the key, and its caller first sent the call longer ago than ``ttl`` (or
+    #: ahead of the store's clock): its record may be gone, so nothing was taken.
+    EXPIRED = "expired"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,34 +98,6 @@ class RecordState:
     def replayable(self) -> bool:
         """Whether a retry with the key gets the recorded answer replayed."""
         return self.response is not None
-
-
-def record_state(
-    status: str,
-    *,
-    fenced: bool,
-    lease_ends: float,
-    expires: float,
-    now: float,
-    response: StoredResponse | None,
-) -> RecordState | None:
-    """The state of a record as the stores keep it (``status`` a :class:`RecordStatus` value,
-    times in one clock), or ``None`` when it counts as absent: past its TTL and not held by a
-    live lease. The one reading every store's lookup shares."""
-    in_progress = status == RecordStatus.IN_PROGRESS.value
-    if expires <= now and not (in_progress and lease_ends > now):
-        return None
-    if in_progress and not (fenced and lease_ends <= now):
-        # Kept while its lease holds, even past its TTL (and ttl from its completion).
-        return RecordState(KeyState.IN_PROGRESS, max(expires, lease_ends), lease_until=lease_ends)
-    if in_progress or status == RecordStatus.COMMITTED.value:
-        return RecordState(KeyState.COMMITTED, expires)
-    return RecordState(
-        KeyState.COMPLETED,
-        expires,
-        status=None if response is None else response.status,
-        response=response,
-    )
 
 
 def new_token() -> str:

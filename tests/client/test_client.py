@@ -131,12 +131,20 @@ class FlakyStore(SQLStore):
         lease: float,
         binding: str = "",
         durable: bool = True,
+        first_sent: float | None = None,
     ) -> Claim:
         if self.failures:
             self.failures -= 1
             raise StoreError("database unreachable")
         return await super().claim(
-            scope, key, fingerprint, ttl=ttl, lease=lease, binding=binding, durable=durable
+            scope,
+            key,
+            fingerprint,
+            ttl=ttl,
+            lease=lease,
+            binding=binding,
+            durable=durable,
+            first_sent=first_sent,
         )
 
 

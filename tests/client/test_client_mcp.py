@@ -42,7 +42,7 @@ from idempotency_mw.client.mcp import (
     ToolStep,
     tool_result,
 )
-from idempotency_mw.mcp import IDEMPOTENCY_ERROR, IdempotentTools
+from idempotency_mw.mcp import IDEMPOTENCY_ERROR, IdempotentMCPServer, IdempotentTools
 from idempotency_mw.testing import MemoryStore
 from tests.support.client_support import FakeTime
 
@@ -278,7 +278,9 @@ async def test_a_tool_that_crashed_and_was_released_is_sent_again(
     tmp_path: Path, fake_time: FakeTime
 ) -> None:
     """As an HTTP 500: the server recorded nothing, and the retry under the key runs it."""
-    tools = Tools(server=MCPServer("tickets", extensions=[IdempotentTools(MemoryStore())]))
+    tools = Tools(
+        server=IdempotentMCPServer("tickets", extensions=[IdempotentTools(MemoryStore())])
+    )
     crashes = [ConnectionError("the database restarted")]
 
     @tools.server.tool()

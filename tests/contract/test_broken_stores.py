@@ -137,7 +137,10 @@ async def test_a_store_that_reads_then_writes_fails() -> None:
 
 @pytest.mark.parametrize("broken", [CallersClockStore, CallersMonotonicClockStore])
 async def test_a_store_on_the_callers_clock_fails(broken: type[MemoryStore]) -> None:
-    assert await failed_cases(broken) == {"leases_and_ttls_run_on_the_stores_clock"}
+    assert await failed_cases(broken) == {
+        "leases_and_ttls_run_on_the_stores_clock",
+        "first_sent_times_are_judged_on_the_stores_clock",
+    }
 
 
 async def test_a_store_that_forgets_retention_fails() -> None:

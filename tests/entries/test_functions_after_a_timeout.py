@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.lowlevel
@@ -19,7 +19,8 @@ from idempotency_mw import (
     Store,
     downstream_key,
 )
-from idempotency_mw.values.records import KeyState
+from idempotency_mw.testing import MemoryStore
+from idempotency_mw.values.records import Claim, KeyState
 
 pytestmark = pytest.mark.anyio
 
@@ -63,6 +64,41 @@ async def test_a_call_first_sent_before_the_retention_and_the_purge_runs_nothing
             first_sent=datetime.fromtimestamp(time.time() + 3600, UTC),
         )
     assert runs == ["o-1", "o-2"]
+
+
+class EarlierProtocolStore(MemoryStore):
+    """A store written before claims took ``first_sent=``."""
+
+    async def claim(  # type: ignore[override]
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        *,
+        ttl: float,
+        lease: float,
+        binding: str = "",
+        durable: bool = True,
+    ) -> Claim:
+        return await super().claim(
+            scope, key, fingerprint, ttl=ttl, lease=lease, binding=binding, durable=durable
+        )
+
+
+async def test_a_store_that_cannot_judge_a_first_sent_time_refuses_to_guess() -> None:
+    """Judging it on the worker's clock is what ran a stale retry twice: said, never done."""
+    # Not a Store to the type checker (no first_sent=), but one at run time.
+    protect = IdempotentFunctions(cast(Store, EarlierProtocolStore()), ttl=60, lease=30)
+    runs: list[str] = []
+
+    async def work() -> str:
+        runs.append("ran")
+        return "done"
+
+    assert await protect.call("k-1", "f", work, name="x") == "done"
+    with pytest.raises(ConfigurationError, match="first_sent"):
+        await protect.call("k-2", "f", work, name="x", first_sent=time.time())
+    assert runs == ["ran"]
 
 
 async def test_a_caller_looks_its_key_up_without_running_it(store: Store) -> None:

@@ -24,6 +24,7 @@ from idempotency_mw.mcp import (
     IDEMPOTENCY_ERROR,
     LOOKUP_METHOD,
     REPLAYED_META,
+    IdempotentMCPServer,
     IdempotentTools,
     KeyLookupResult,
     LookupParams,
@@ -46,7 +47,7 @@ def tickets(store: Store, runs: list[str], **options: Any) -> MCPServer:
     """``create_ticket`` (its runs in ``runs``) and ``charge`` (which answers its downstream
     key, and crashes on its first run), protected with a 2 s retention."""
     protect = IdempotentTools(store, ttl=RETENTION, lease=RETENTION / 2, **options)
-    server = MCPServer("tickets", extensions=[protect])
+    server = IdempotentMCPServer("tickets", extensions=[protect])
 
     @server.tool()
     async def create_ticket(title: str) -> str:

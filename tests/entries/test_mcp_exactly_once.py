@@ -24,8 +24,9 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 from mcp.shared.exceptions import MCPError
-from mcp_types import INVALID_PARAMS, RequestParamsMeta, TextContent
+from mcp_types import INVALID_PARAMS, CallToolResult, Request, RequestParamsMeta, TextContent
 from pydantic import AnyHttpUrl
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -35,7 +36,16 @@ from idempotency_mw import RedisStore, SchemaError, SQLStore, Store, fence
 from idempotency_mw.client import OperationState, RetryPolicy
 from idempotency_mw.client.mcp import IdempotentToolCaller, key_meta
 from idempotency_mw.engine.proofs import proof_metadata
-from idempotency_mw.mcp import IDEMPOTENCY_ERROR, RETRY_META, IdempotentTools, Scope
+from idempotency_mw.mcp import (
+    IDEMPOTENCY_ERROR,
+    LOOKUP_METHOD,
+    RETRY_META,
+    IdempotentMCPServer,
+    IdempotentTools,
+    KeyLookupResult,
+    LookupParams,
+    Scope,
+)
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
 from idempotency_mw.values.metrics import key_hash
@@ -79,7 +89,9 @@ class Tools:
         self, store: Store | None = None, *, scope: Scope = "mcp", **options: Any
     ) -> MCPServer:
         protect = IdempotentTools(store or MemoryStore(clock=self.clock), ttl=120, scope=scope)
-        server = MCPServer("tools", extensions=[protect], lifespan=protect.lifespan, **options)
+        server = IdempotentMCPServer(
+            "tools", extensions=[protect], lifespan=protect.lifespan, **options
+        )
 
         @server.tool()
         async def create(title: str) -> dict[str, object]:
@@ -98,6 +110,31 @@ class Tools:
         async def charge(order: str, code: int) -> str:
             self.effects.append(order)
             raise MCPError(code, f"declined {order}")
+
+        @server.tool()
+        async def gateway(order: str) -> str:
+            self.effects.append(order)
+            # A deliberate error in a gateway's own words, which look like a crash's.
+            raise ToolError("Error executing tool gateway")
+
+        @server.tool()
+        async def broken() -> str:
+            raise RuntimeError("a nested tool crashed")
+
+        @server.tool()
+        async def relay(order: str) -> CallToolResult:
+            self.effects.append(order)
+            try:
+                await server.call_tool("broken", {})
+            except ToolError as exc:  # a crash of the tool it called, answered deliberately
+                words = TextContent(type="text", text=f"relayed: {exc}")
+                return CallToolResult(content=[words], is_error=True)
+            return CallToolResult(content=[])
+
+        @server.tool()
+        async def says(order: str, words: str) -> CallToolResult:
+            self.effects.append(order)
+            return CallToolResult(content=[TextContent(type="text", text=words)], is_error=True)
 
         @server.tool()
         async def slow(title: str) -> str:
@@ -177,6 +214,89 @@ async def test_a_crash_before_the_effect_releases_the_key(tools: Tools, transpor
     assert not again.is_error
     assert text(again) == text(replayed) == "done t"
     assert tools.effects == ["t"]
+
+
+#: Deliberate errors whose words are a crash's, an unknown tool's, a nested crash's, and one
+#: answered after a tool the tool called crashed.
+LOOK_ALIKES = [
+    ("gateway", {"order": "o-1"}),
+    ("says", {"order": "o-1", "words": "Error executing tool says"}),
+    ("says", {"order": "o-1", "words": "Unknown tool: says"}),
+    ("says", {"order": "o-1", "words": "Error executing tool says: Error executing tool x"}),
+    ("relay", {"order": "o-1"}),
+]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(("tool", "arguments"), LOOK_ALIKES)
+async def test_a_deliberate_error_in_a_crashs_words_is_recorded(
+    tools: Tools, transport: str, tool: str, arguments: dict[str, Any], tmp_path: Path
+) -> None:
+    """The package's caller sends again what the server released: a deliberate error told
+    apart by its words would run the effect once per attempt."""
+    policy = RetryPolicy(backoff_base=0.0, read_timeout=10, max_attempts=6, deadline=60)
+    async with (
+        sessions(tools.server(), transport) as session,
+        session() as client,
+        IdempotentToolCaller(client, journal=tmp_path / "journal.sqlite3", policy=policy) as caller,
+    ):
+        op = await caller.operation(tool, ref="R-1")
+        answered = await caller.send(op, arguments)
+        replayed = await client.call_tool(tool, arguments, meta=key_meta(op.key))
+    assert answered.is_error
+    assert RETRY_META not in (answered.meta or {})
+    assert text(replayed) == text(answered)
+    assert tools.effects == ["o-1"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_unknown_tool_or_invalid_arguments_release_the_key(
+    tools: Tools, transport: str
+) -> None:
+    """Never reached, as FastAPI's 422 or an app's 404: the key's next call runs."""
+    server = tools.server()
+    async with sessions(server, transport) as session, session() as client:
+        unknown = await client.call_tool("later", {"title": "t"}, meta=key_meta("u"))
+        invalid = await client.call_tool("create", {"title": ["t"]}, meta=key_meta("i"))
+
+        @server.tool()
+        async def later(title: str) -> str:
+            tools.effects.append(f"later {title}")
+            return title
+
+        ran = await client.call_tool("later", {"title": "t"}, meta=key_meta("u"))
+        valid = await client.call_tool("create", {"title": "t"}, meta=key_meta("i"))
+    assert unknown.is_error
+    assert invalid.is_error
+    assert not ran.is_error
+    assert not valid.is_error
+    assert tools.effects == ["later t", "t"]
+
+
+async def test_a_plain_mcpserver_records_a_crash(
+    tools: Tools, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without IdempotentMCPServer a crash cannot be told from a deliberate error: recorded
+    (never run twice), and said once."""
+    protect = IdempotentTools(MemoryStore())
+    server = MCPServer("tools", extensions=[protect])
+    crashes = [ConnectionError("the database restarted")]
+
+    @server.tool()
+    async def flaky(title: str) -> str:
+        tools.effects.append(title)
+        if crashes:
+            raise crashes.pop()
+        return title
+
+    with caplog.at_level(logging.WARNING, "idempotency_mw"):
+        async with Client(server) as client:
+            first = await client.call_tool("flaky", {"title": "t"}, meta=key_meta("k"))
+            again = await client.call_tool("flaky", {"title": "t"}, meta=key_meta("k"))
+    assert first.is_error
+    assert text(again) == text(first) == "Error executing tool flaky"
+    assert tools.effects == ["t"]
+    assert sum("IdempotentMCPServer" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -370,6 +490,41 @@ async def test_an_mcp_app_without_its_table_fails_to_start(tools: Tools, tmp_pat
         async with Client(server):  # in process and over stdio, each connection starts it
             pass
     await store.aclose()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_unwired_mcp_server_without_its_table_says_to_migrate(
+    tools: Tools, tmp_path: Path, transport: str
+) -> None:
+    """No ``lifespan=protect.lifespan``: every keyed call and lookup is refused for good (not
+    told to retry), with the words the wired server fails to start with."""
+    store = SQLStore(f"sqlite:///{tmp_path / 'empty.db'}")
+    protect = IdempotentTools(store)
+    server = IdempotentMCPServer("tools", extensions=[protect])
+
+    @server.tool()
+    async def create(title: str) -> str:
+        tools.effects.append(title)
+        return title
+
+    refused: list[MCPError] = []
+    async with sessions(server, transport) as session, session() as client:
+        for _ in range(2):
+            with pytest.raises(MCPError) as raised:
+                await client.call_tool("create", {"title": "t"}, meta=key_meta("k"))
+            refused.append(raised.value)
+        lookup = Request[LookupParams, str](method=LOOKUP_METHOD, params=LookupParams(key="k"))
+        with pytest.raises(MCPError) as raised:
+            await client.session.send_request(lookup, KeyLookupResult)
+        refused.append(raised.value)
+    await store.aclose()
+    for error in refused:
+        assert error.code == IDEMPOTENCY_ERROR
+        assert error.data["type"] == PROBLEM + "store-not-ready"
+        assert error.data["status"] == 500
+        assert "retryAfter" not in error.data
+        assert "idempotency-mw migrate" in error.data["detail"]
+    assert tools.effects == []
 
 
 async def test_a_store_failure_is_logged_with_the_keys_hash_never_the_key(

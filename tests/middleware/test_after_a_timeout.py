@@ -15,7 +15,8 @@ import pytest
 from fastapi import FastAPI
 
 from idempotency_mw import IdempotencyMiddleware, Store, idempotent
-from idempotency_mw.http.retention import FIRST_SENT_SKEW
+from idempotency_mw.testing import MemoryStore
+from idempotency_mw.values.outcome import FIRST_SENT_SKEW
 from tests.support.apps import Gate, client_for
 
 pytestmark = pytest.mark.anyio
@@ -155,6 +156,21 @@ async def test_a_retry_first_sent_before_the_retention_and_the_purge_runs_nothin
         )
         assert fresh.status_code == 201
     assert app.state.runs["orders"] == 2
+
+
+async def test_a_worker_behind_the_stores_clock_refuses_a_retry_stale_on_the_store() -> None:
+    """The store's clock runs 25 s ahead of the worker's: a retry first sent 1 s ago on the
+    worker's clock is 26 s old on the store's, which decides: past the retention, so 412."""
+    store = MemoryStore(clock=lambda: time.time() + 25)
+    app = service(store)
+    sent = {"Idempotency-Key": "k", "Repeatability-First-Sent": http_date(time.time() - 1)}
+    async with client_for(app) as client:
+        late = await client.post("/orders", json={}, headers=sent)
+        kept = await client.get("/idempotency-keys/k")
+    assert late.status_code == 412
+    assert late.json()["type"] == EXPIRED_KEY
+    assert kept.json() == {"state": "unknown"}
+    assert app.state.runs["orders"] == 0
 
 
 async def test_an_old_first_sent_time_is_no_refusal_while_the_record_lives(store: Store) -> None:

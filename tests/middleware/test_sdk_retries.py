@@ -37,6 +37,7 @@ FINAL = {
     Problem.EXPIRED_KEY,
     Problem.INVALID_FIRST_SENT,
     Problem.NOT_REPEATABLE,
+    Problem.STORE_NOT_READY,
 }
 LATER = {Problem.IN_PROGRESS, Problem.STORE_UNAVAILABLE, Problem.LEASE_LOST}
 

@@ -49,10 +49,15 @@ def service(**options: Any) -> tuple[FastAPI, PausableStore]:
 
 
 async def left_while_paused(
-    app: FastAPI, client: httpx.AsyncClient, store: PausableStore, operation: str, path: str
+    client: httpx.AsyncClient,
+    store: PausableStore,
+    operation: str,
+    path: str,
+    *,
+    leave_when: anyio.Event | None = None,
 ) -> None:
-    """POST ``path`` with ``operation`` of the store paused; the client leaves once the
-    handler ran, and the store comes back after that."""
+    """POST ``path`` with ``operation`` of the store paused; the client leaves once that
+    operation waits at the pause (or ``leave_when`` is set), and the store comes back after."""
     store.pause(operation)
     leaving = anyio.CancelScope()
 
@@ -63,8 +68,7 @@ async def left_while_paused(
     async with anyio.create_task_group() as group:
         group.start_soon(send)
         with anyio.fail_after(10):
-            await app.state.ran.wait()
-        await anyio.sleep(0.05)  # the handler returned, or waits at its gate
+            await (leave_when or store.blocked_at(operation)).wait()
         leaving.cancel()
         await anyio.sleep(0.2)
         store.resume()
@@ -78,7 +82,7 @@ async def resume_after(store: PausableStore, delay: float) -> None:
 async def test_a_completion_is_recorded_once_when_the_client_leaves_meanwhile() -> None:
     app, store = service()
     async with client_for(app) as client:
-        await left_while_paused(app, client, store, "complete", "/work")
+        await left_while_paused(client, store, "complete", "/work")
         again = await client.post("/work", headers=KEY)
     assert again.status_code == 200
     assert again.headers["idempotent-replayed"] == "true"
@@ -90,7 +94,7 @@ async def test_a_completion_is_recorded_once_when_the_client_leaves_meanwhile() 
 async def test_a_release_runs_to_its_end_when_the_client_leaves_meanwhile() -> None:
     app, store = service()
     async with client_for(app) as client:
-        await left_while_paused(app, client, store, "release", "/fails")
+        await left_while_paused(client, store, "release", "/fails")
         assert store.reached["release"] == 1
         # Released: the retry runs (it is not told the first is still in progress).
         again = await client.post("/fails", headers=KEY)
@@ -103,7 +107,9 @@ async def test_a_request_cancelled_in_its_handler_releases_its_key() -> None:
     app.state.gate = Gate()
     async with client_for(app) as client:
         # The client leaves while the handler waits; the release suspends, cancelled.
-        await left_while_paused(app, client, store, "release", "/work")
+        await left_while_paused(
+            client, store, "release", "/work", leave_when=app.state.gate.entered
+        )
         assert app.state.gate.entered.is_set()
         app.state.gate.opened.set()
         again = await client.post("/work", headers=KEY)

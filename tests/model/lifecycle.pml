@@ -127,7 +127,7 @@ byte clk;                                   /* the store's clock, and the worker
 byte st, tok, lease_end, expires, answer;   /* the key's record in the store */
 byte first_answer;                          /* the first answer written into this record */
 bit committed_at;                           /* SAME_DB: the record's own mark of the effect */
-bit probation;                              /* SAME_DB: committed_at negated (ON_PROBATION) */
+bit probation;                              /* SAME_DB: committed_at negated (Fenced.ON_PROBATION) */
 bit holder_alive;                           /* the worker of the record's token still runs */
 byte holder_fate;                           /* how it ended, if it did */
 byte effects;                               /* committed effects of the key */

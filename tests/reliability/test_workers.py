@@ -7,6 +7,7 @@ import signal
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
@@ -162,10 +163,13 @@ async def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
-async def claimed(url: str, key: str) -> None:
-    """Until ``key`` is claimed (in progress) in the table at ``url``."""
+async def claimed(url: str, key: str, *, fenced: bool = False) -> None:
+    """Until ``key`` is claimed (in progress) in the table at ``url``, its effect committed
+    with ``fenced``."""
     engine = create_async_engine(async_url(url))
     query = select(records.c.key).where(records.c.key == key, records.c.status == "in_progress")
+    if fenced:
+        query = query.where(records.c.committed_at.is_not(None))
     try:
         with anyio.fail_after(20):
             while True:
@@ -217,3 +221,57 @@ async def test_a_fenced_effect_commits_once_when_a_paused_worker_loses_its_key(
     assert answers["retry"].status_code == 201
     assert answers["first"].status_code == 409
     assert answers["first"].json()["type"].endswith("in-progress")
+
+
+async def test_the_lookup_of_a_paused_fenced_worker_answers_as_its_retries_in_progress(
+    sql_url: str, tmp_path: Path
+) -> None:
+    """The worker committed its effect with fence() and froze past its lease: a retry is told
+    in-progress (its holder may be alive behind a stalled store), and so is the lookup, which
+    must not say committed while that request may still answer and record its response."""
+    # The handler answers 8 s after its effect committed: the worker is stopped well within.
+    settings = {"RELIABILITY_DELAY": "8", "RELIABILITY_LEASE": "1"}
+    key = f"fenced-{uuid.uuid4().hex}"
+    with running_workers(sql_url, tmp_path, 2, **settings) as (first, second):
+        async with httpx.AsyncClient(timeout=30) as client:
+            answers: dict[str, httpx.Response] = {}
+
+            async def post(name: str, server: ServerProcess) -> None:
+                answers[name] = await client.post(
+                    server.url + "/fenced-first", headers={"Idempotency-Key": key}
+                )
+
+            async def look() -> dict[str, str]:
+                found = await client.get(f"{second.url}/idempotency-keys/{key}")
+                state: dict[str, str] = found.json()
+                return state
+
+            async def lapsed() -> dict[str, str]:
+                """The lookup's answer once it no longer says a live lease holds the key."""
+                with anyio.fail_after(20):
+                    while True:
+                        seen = await look()
+                        live = seen["state"] == "in-progress" and datetime.fromisoformat(
+                            seen["lease_until"]
+                        ) > datetime.now(UTC)
+                        if not live:
+                            return seen
+                        await anyio.sleep(0.05)
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(post, "first", first)
+                await claimed(sql_url, key, fenced=True)
+                os.kill(first.process.pid, signal.SIGSTOP)
+                try:
+                    seen = await lapsed()
+                    await post("retry", second)
+                    after_retry = await look()
+                finally:
+                    os.kill(first.process.pid, signal.SIGCONT)
+            answered = await look()  # the first request answered: its record is there
+    assert seen["state"] == "in-progress"  # the lease lapsed, the holder may yet answer
+    assert answers["retry"].status_code == 409
+    assert answers["retry"].json()["type"].endswith("in-progress")
+    assert after_retry["state"] == "in-progress"
+    assert answers["first"].status_code == 201
+    assert answered["state"] == "completed"

@@ -25,8 +25,9 @@ from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.claims import SQLiteClaim
 from idempotency_mw.stores.sql.database import Database, engine_for
 from idempotency_mw.stores.sql.sqlite import Synchronous
-from idempotency_mw.stores.sql.statements import CLAIM_READ
-from idempotency_mw.values.records import ClaimOutcome, StoredResponse
+from idempotency_mw.stores.sql.statements import READ
+from idempotency_mw.values.outcome import Asking
+from idempotency_mw.values.records import Claim, ClaimOutcome, StoredResponse
 from tests.conftest import POSTGRESQL_URL, built_store, fresh_sql_store
 
 pytestmark = pytest.mark.anyio
@@ -96,7 +97,7 @@ async def test_a_statement_that_failed_on_the_driver_is_not_sent_again(tmp_path:
     # the deadline allows, and a second wait would outlast its caller and land after it. A
     # statement the database refused leaves its connection as good as before.
     engine = engine_for(f"sqlite:///{tmp_path / 'no-table.db'}")
-    database = Database(engine, owned=True, direct=[CLAIM_READ])
+    database = Database(engine, owned=True, direct=[READ])
     through_sqlalchemy: list[str] = []
     event.listen(
         engine.sync_engine,
@@ -106,7 +107,7 @@ async def test_a_statement_that_failed_on_the_driver_is_not_sent_again(tmp_path:
     try:
         with pytest.raises(sqlite3.OperationalError, match="no such table"):
             await database.fetch(
-                CLAIM_READ,
+                READ,
                 {
                     "p_scope": "",
                     "p_key": "k",
@@ -138,12 +139,12 @@ async def test_a_claim_statement_run_after_its_deadline_takes_nothing(sqlite_url
         "p_lease_ms": 60_000,
     }
     try:
-        claim = SQLiteClaim()
-        late = await claim.attempt(database, params, time.monotonic() - 0.01, durable=True)
-        assert late == (None, False)
+        claim, asking = SQLiteClaim(), Asking("f", token="t", ttl=60)
+        late = await claim.attempt(database, params, asking, time.monotonic() - 0.01, durable=True)
+        assert late is None
         assert records_in(sqlite_url) == 0
-        in_time = await claim.attempt(database, params, time.monotonic() + 5, durable=True)
-        assert in_time == (None, True)
+        in_time = await claim.attempt(database, params, asking, time.monotonic() + 5, durable=True)
+        assert in_time == Claim(ClaimOutcome.ACQUIRED, token="t")
         assert records_in(sqlite_url) == 1
     finally:
         await database.aclose()

@@ -165,6 +165,8 @@ class PausableStore:
         self._resumed = anyio.Event()
         #: Set once a claim has answered (its lease runs from before then).
         self.claimed = anyio.Event()
+        #: Each operation's, set once a call of it waits at the pause.
+        self.blocked: dict[str, anyio.Event] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -180,8 +182,13 @@ class PausableStore:
     def fail(self, *operations: str) -> None:
         self.failing = frozenset(operations) or self.OPERATIONS
 
+    def blocked_at(self, operation: str) -> anyio.Event:
+        """Set once a call of ``operation`` waits at the pause."""
+        return self.blocked.setdefault(operation, anyio.Event())
+
     async def _gate(self, operation: str) -> None:
         while operation in self._paused:
+            self.blocked_at(operation).set()
             await self._resumed.wait()
         if operation in self.failing:
             raise StoreError(f"{operation} failed: the test broke the store")

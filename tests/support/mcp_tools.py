@@ -16,7 +16,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, s
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw import SQLStore, Store
-from idempotency_mw.mcp import TOOL_META, IdempotentTools
+from idempotency_mw.mcp import TOOL_META, IdempotentMCPServer, IdempotentTools
 from idempotency_mw.stores.sql import async_url
 
 metadata = MetaData()
@@ -27,7 +27,7 @@ runs = Table(
 
 def tool_server(store: Store, engine: AsyncEngine, **options: Any) -> MCPServer:
     """The server, counting runs on ``engine``; every tool but ``echo`` is protected."""
-    server = MCPServer(
+    server = IdempotentMCPServer(
         "tickets",
         extensions=[IdempotentTools(store, tools={"create_ticket", "charge"}, **options)],
     )

@@ -171,17 +171,27 @@ fenced_effects = Table(
 
 
 def _add_fenced_route(app: FastAPI, store: SQLStore) -> None:
-    """``POST /fenced``: sleeps, then writes its effect in a transaction that calls fence()."""
+    """``POST /fenced``: sleeps, then writes its effect in a transaction that calls fence();
+    ``POST /fenced-first``: the same the other way round."""
     engine = create_async_engine(store.url)
+
+    async def commit(key: str) -> None:
+        async with AsyncSession(engine) as session, session.begin():
+            await session.execute(fenced_effects.insert().values(idem_key=key, pid=os.getpid()))
+            await fence(session)
+
+    @app.post("/fenced-first", status_code=201)
+    @idempotent(required=True)
+    async def fenced_first(request: Request) -> dict[str, int]:
+        await commit(request.headers.get(KEY_HEADER, ""))
+        await anyio.sleep(app.state.delay)
+        return {"pid": os.getpid()}
 
     @app.post("/fenced", status_code=201)
     @idempotent(required=True)
     async def fenced(request: Request) -> dict[str, int]:
         await anyio.sleep(app.state.delay)
-        async with AsyncSession(engine) as session, session.begin():
-            key = request.headers.get(KEY_HEADER, "")
-            await session.execute(fenced_effects.insert().values(idem_key=key, pid=os.getpid()))
-            await fence(session)
+        await commit(request.headers.get(KEY_HEADER, ""))
         return {"pid": os.getpid()}
 
 
@@ -217,6 +227,7 @@ def create_app(
         # With a settlement feed and without.
         waiting._LAST_POLL = waiting._LAST_POLL_FED = float(env["RELIABILITY_POLL_CAP"])
     app = FastAPI()
+    options.setdefault("lookup_path", "/idempotency-keys")
     app.add_middleware(IdempotencyMiddleware, store=store, lease=lease, scope=caller_of, **options)
     app.state.effects = effects
     app.state.delay = float(env.get("RELIABILITY_DELAY", "0")) if delay is None else delay

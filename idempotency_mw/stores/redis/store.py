@@ -29,6 +29,7 @@ from idempotency_mw.stores.redis.checks import server_check
 from idempotency_mw.values.exceptions import ConfigurationError, store_error
 from idempotency_mw.values.findings import ServerCheck
 from idempotency_mw.values.metrics import key_digest, key_hash_of
+from idempotency_mw.values.outcome import FIRST_SENT_SKEW, Asking, Found, decide, lookup_state
 from idempotency_mw.values.records import (
     Claim,
     ClaimOutcome,
@@ -36,7 +37,6 @@ from idempotency_mw.values.records import (
     RecordStatus,
     StoredResponse,
     pack_headers,
-    record_state,
     unpack_headers,
 )
 
@@ -45,8 +45,6 @@ T = TypeVar("T")
 #: The socket timeout of a client the store makes from a URL (and how long the settlement feed
 #: waits to subscribe), in seconds.
 DEFAULT_TIMEOUT = 5.0
-#: A claim script's first reply (bytes: the client never decodes) as the outcome it names.
-_OUTCOMES = {outcome.value.encode(): outcome for outcome in ClaimOutcome}
 
 
 def _ms(seconds: float) -> int:
@@ -180,6 +178,7 @@ class RedisStore(RedisInspection, ClaimsWithToken):
         token: str,
         binding: str = "",
         durable: bool = True,  # ignored: every step is as durable as this store can be
+        first_sent: float | None = None,
     ) -> Claim:
         reply = await self._run(
             "claim",
@@ -190,32 +189,19 @@ class RedisStore(RedisInspection, ClaimsWithToken):
             _ms(ttl),
             _ms(lease),
             binding,
+            "" if first_sent is None else int(first_sent * 1000),
+            _ms(FIRST_SENT_SKEW),
         )
-        outcome = _OUTCOMES[reply[0]]
-        if outcome is ClaimOutcome.ACQUIRED:
-            return Claim(outcome, token=token)
-        if len(reply) == 1:  # credential_mismatch: nothing of the record is told
-            return Claim(outcome)
-        expires = int(reply[1]) / 1000
-        if outcome is ClaimOutcome.REPLAY:
-            return Claim(outcome, response=_response(*reply[2:5]), expires_at=expires)
-        return Claim(outcome, expires_at=expires)
+        if reply[0] == b"taken":
+            return Claim(ClaimOutcome.ACQUIRED, token=token)
+        found, now = _found(reply)
+        return decide(found, now, Asking(fingerprint, binding, token, ttl, first_sent)).claim(token)
 
     async def lookup(self, scope: str, key: str, *, binding: str = "") -> RecordState | None:
         """See :class:`~idempotency_mw.stores.base.KeyLookup`: one script. A Redis record
         never says ``committed``: ``fence()`` writes its proof in the application's database."""
         reply = await self._run("lookup", self._lookup_script, self.redis_key(scope, key), binding)
-        if len(reply) == 1:
-            return None
-        now, status, lease_ends, expires = reply[:4]
-        return record_state(
-            _text(status),
-            fenced=False,
-            lease_ends=int(lease_ends) / 1000,
-            expires=int(expires) / 1000,
-            now=int(now) / 1000,
-            response=_response(*reply[4:7]) if len(reply) > 4 else None,
-        )
+        return lookup_state(*_found(reply))
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
         return bool(
@@ -364,6 +350,24 @@ def _address_of(client: AsyncClient) -> str:
         return f"unix://{options['path']}?db={options.get('db', 0)}"
     host, port = options.get("host", "localhost"), options.get("port", 6379)
     return f"redis://{host}:{port}/{options.get('db', 0)}"
+
+
+def _found(reply: list[Any]) -> tuple[Found | None, float]:
+    """A record as the claim and lookup scripts read it, and the server's clock (seconds)."""
+    now = int(reply[0]) / 1000
+    if len(reply) == 1:
+        return None, now
+    hash_, status, token, lease_ends, expires, binding = reply[1:7]
+    found = Found(
+        RecordStatus(_text(status)),
+        _text(hash_),
+        _text(token),
+        _text(binding),
+        int(lease_ends) / 1000,
+        int(expires) / 1000,
+        response=_response(*reply[7:10]) if len(reply) > 7 else None,
+    )
+    return found, now
 
 
 def _response(status: bytes, headers: bytes, body: bytes) -> StoredResponse:

@@ -1,15 +1,15 @@
 """How each dialect claims a key: one class per dialect, each with the SQL it sends.
 
-Every class answers one attempt at a claim: the record a read found live (it decides the
-outcome without a write, so a replay is one statement), or whether this request took the key
-with one atomic upsert. Of concurrent requests that all found the key free, the upsert's
-condition, checked on the latest committed row, lets exactly one take it. A record in progress
-under the request's own token (the same claim delivered twice) is read as the request's own.
+Every class answers one attempt at a claim: it reads the record with the database's clock and
+hands them to :func:`~idempotency_mw.values.outcome.decide`, and takes the key with one atomic
+upsert only when that says the key is free. Of concurrent requests that all found the key free, the
+upsert's condition (decide()'s rule, checked on the latest committed row) lets exactly one take
+it; the others read again.
 
 A record whose effect was committed and whose lease lapsed is put on probation by one
 conditional UPDATE (:data:`PROBATION`), whose condition decides: the claim that changed it
-reads the record in progress; one that changed nothing (another claim, or the holder, changed
-the record first) reads it again in its next attempt.
+answers in progress; one that changed nothing (another claim, or the holder, changed the
+record first) reads it again in its next attempt.
 """
 
 from __future__ import annotations
@@ -28,13 +28,17 @@ from idempotency_mw.stores.sql.database import Database as Driver
 from idempotency_mw.stores.sql.schema import records
 from idempotency_mw.stores.sql.statements import (
     CAN_TAKE_OVER,
-    CLAIM_READ,
+    FRESH,
     KEY_COLUMNS,
     NEW_RECORD,
     NOW,
     PROBATION,
+    READ,
     WINNER,
+    found_of,
 )
+from idempotency_mw.values.outcome import Asking, decide
+from idempotency_mw.values.records import Claim, ClaimOutcome
 
 Row = Sequence[Any]
 
@@ -47,10 +51,16 @@ class ClaimSQL(abc.ABC):
 
     @abc.abstractmethod
     async def attempt(
-        self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
-    ) -> tuple[Row | None, bool]:
-        """The row of ``READ`` of a live record found (else ``None``), and whether the request
-        took the key (``durable``: whether its write must wait for its own flush)."""
+        self,
+        driver: Driver,
+        params: dict[str, Any],
+        asking: Asking,
+        deadline: float,
+        *,
+        durable: bool,
+    ) -> Claim | None:
+        """The claim's answer, or ``None`` when the record changed under it (read again);
+        ``durable``: whether its write must wait for its own flush."""
 
 
 def _upsert_returning(dialect: Any, rows: Any, *, also: Any = None) -> Any:
@@ -73,29 +83,44 @@ def _new_record(where: Any) -> Any:
     ).where(where)
 
 
-async def _read_live(
-    driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
-) -> tuple[Row | None, bool]:
-    """The record of the key if it is live (its outcome needs no write), else ``None``; and
-    whether to read it again (it was due for probation, but another step changed it first).
+class ReadThenTake(ClaimSQL):
+    """A dialect whose claim reads the record first, and sends its upsert only when the read
+    decides the key is free (a replay is one statement)."""
 
-    A record due for probation is put on it here, and then reads as in progress.
-    """
-    rows = await driver.fetch(CLAIM_READ, params, deadline=deadline)
-    if not rows or rows[0][-2]:
-        return None, False
-    *read, due = rows[0]
-    if due and not await driver.change(PROBATION, params, deadline=deadline, durable=durable):
-        return None, True
-    return read, False
+    async def attempt(
+        self,
+        driver: Driver,
+        params: dict[str, Any],
+        asking: Asking,
+        deadline: float,
+        *,
+        durable: bool,
+    ) -> Claim | None:
+        rows = await driver.fetch(READ, params, deadline=deadline)
+        decision = decide(*found_of(rows[0]), asking)
+        if decision.take:
+            winner = await self.take(driver, params, deadline, durable=durable)
+            if winner and winner[0][0] == asking.token:
+                return Claim(ClaimOutcome.ACQUIRED, token=asking.token)
+            return None  # another claim took the key first
+        if decision.probation and not await driver.change(
+            PROBATION, params, deadline=deadline, durable=durable
+        ):
+            return None
+        return decision.claim(asking.token)
+
+    @abc.abstractmethod
+    async def take(
+        self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
+    ) -> Sequence[Row]:
+        """The upsert; the rows that name the record's token after it."""
 
 
-class SQLiteClaim(ClaimSQL):
-    """SQLite: a read, and only when it finds no live record, an upsert::
+class SQLiteClaim(ReadThenTake):
+    """SQLite: a read, and only when decide() finds the key free, an upsert::
 
-        SELECT request_hash, status, ..., status = 'in_progress' AND token = :token AS mine,
-               <expired, or the same request's lease lapsed> AS free
-          FROM idempotency_records WHERE scope = :scope AND key = :key;
+        SELECT now, request_hash, status, token, ... FROM (SELECT now) AS clock
+          LEFT OUTER JOIN idempotency_records ON scope = :scope AND key = :key;
         INSERT INTO idempotency_records (...)
           SELECT :scope, :key, ..., :token, now, now + :lease, ... WHERE now < :until
           ON CONFLICT (scope, key) DO UPDATE SET ... = excluded....
@@ -114,71 +139,76 @@ class SQLiteClaim(ClaimSQL):
     def __init__(self) -> None:
         in_time = bindparam("p_until_ms", type_=BigInteger) > NOW
         self._upsert = _upsert_returning(sqlite, _new_record(in_time), also=in_time)
-        self.statements = (CLAIM_READ, PROBATION, self._upsert)
+        self.statements = (READ, PROBATION, self._upsert)
 
-    async def attempt(
+    async def take(
         self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
-    ) -> tuple[Row | None, bool]:
-        live, again = await _read_live(driver, params, deadline, durable=durable)
-        if live is not None or again:
-            return live, False
+    ) -> Sequence[Row]:
         # The deadline on the system clock, read as SQLite's now() reads it: from the OS, not
         # through time.time(), which a test (or a tool) may replace without SQLite seeing it.
         until = datetime.now(UTC).timestamp() + deadline - time.monotonic()
         params = {**params, "p_until_ms": int(until * 1000)}
-        rows = await driver.fetch(self._upsert, params, deadline=deadline, durable=durable)
-        return None, bool(rows) and rows[0][0] == params["p_token"]
+        return await driver.fetch(self._upsert, params, deadline=deadline, durable=durable)
 
 
 class PostgreSQLClaim(ClaimSQL):
     """PostgreSQL: the read and, when it finds no live record, the upsert, in one statement::
 
-        WITH existing AS (SELECT request_hash, ..., mine, free, due FROM idempotency_records
-                          WHERE scope = :scope AND key = :key),
+        WITH existing AS (SELECT now, request_hash, ..., free FROM (SELECT now) AS clock
+                          LEFT OUTER JOIN idempotency_records ON <the key>),
              taken AS (INSERT INTO idempotency_records (...)
                        SELECT :scope, :key, ... WHERE NOT EXISTS
-                           (SELECT free FROM existing WHERE NOT free)
+                           (SELECT free FROM existing WHERE NOT free) AND <first sent fresh>
                        ON CONFLICT (scope, key) DO UPDATE SET ... = excluded....
                        WHERE <expired, or the same request's lease lapsed>
+                         AND <first sent fresh>
                        RETURNING token),
              probation AS (UPDATE idempotency_records SET lease_expires_at = ...,
                            committed_at = -committed_at WHERE ... <due> RETURNING 1)
-        SELECT (SELECT request_hash FROM existing), ..., (SELECT token FROM taken),
-               EXISTS (SELECT * FROM probation);
+        SELECT now, request_hash, ..., (SELECT token FROM taken),
+               EXISTS (SELECT * FROM probation) FROM existing;
 
     All parts see one snapshot; the upsert's and the update's WHERE still decide on the latest
-    committed row.
+    committed row. The first-sent time is judged in the statement, since it takes the key
+    without asking decide() first; decide() then reads what it did not take.
     """
 
     def __init__(self) -> None:
-        existing = CLAIM_READ.cte("existing")
-        new_record = _new_record(~exists(select(existing.c.free).where(~existing.c.free)))
-        taken = _upsert_returning(postgresql, new_record).cte("taken")
+        existing = READ.add_columns(CAN_TAKE_OVER.label("free")).cte("existing")
+        live = exists(select(existing.c.free).where(~existing.c.free))
+        new_record = _new_record(and_(~live, FRESH))
+        taken = _upsert_returning(postgresql, new_record, also=FRESH).cte("taken")
         probation = PROBATION.returning(literal_column("1").label("granted")).cte("probation")
         self._statement: Executable = select(
-            *(select(column).scalar_subquery() for column in existing.c),
+            *list(existing.c)[:-1],
             select(taken.c.token).scalar_subquery(),
             exists(select(probation.c.granted)),
-        )
+        ).select_from(existing)
         self.statements = (self._statement,)
 
     async def attempt(
-        self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
-    ) -> tuple[Row | None, bool]:
+        self,
+        driver: Driver,
+        params: dict[str, Any],
+        asking: Asking,
+        deadline: float,
+        *,
+        durable: bool,
+    ) -> Claim | None:
         rows = await driver.fetch(self._statement, params, deadline=deadline, durable=durable)
-        *read, due, token, granted = rows[0]
-        if read[0] is None or (due and not granted):
-            # No record, or one due for probation that another step changed first.
-            return None, token == params["p_token"]
-        return read, token == params["p_token"]
+        *read, token, granted = rows[0]
+        if token == asking.token:
+            return Claim(ClaimOutcome.ACQUIRED, token=token)
+        decision = decide(*found_of(read), asking)
+        if decision.take or (decision.probation and not granted):
+            return None  # another step changed the record first
+        return decision.claim(asking.token)
 
 
-class MySQLClaim(ClaimSQL):
-    """MariaDB/MySQL: a read, and only when it finds no live record, an upsert and a read of
-    the winner::
+class MySQLClaim(ReadThenTake):
+    """MariaDB/MySQL: a read (SQLite's), and only when decide() finds the key free, an upsert
+    and a read of the winner::
 
-        SELECT request_hash, ..., mine, free FROM idempotency_records
-          WHERE scope = :scope AND key = :key;
         INSERT INTO idempotency_records (...) VALUES (..., :token, ...)
           ON DUPLICATE KEY UPDATE
             token = IF(<expired, or the same request's lease lapsed>, VALUES(token), token),
@@ -189,7 +219,7 @@ class MySQLClaim(ClaimSQL):
     token is decided first, and every other column follows whether the token changed. No
     transaction is needed: a record that holds this request's fresh token is this request's
     (only the token's owner can release it, and no one can take it over while its lease runs).
-    A live record the read found due for probation is put on it instead (see the module).
+    A record the read found due for probation is put on it instead (see the module).
     """
 
     def __init__(self) -> None:
@@ -204,17 +234,13 @@ class MySQLClaim(ClaimSQL):
             if name not in (*KEY_COLUMNS, "token")
         ]
         self._upsert = insert.on_duplicate_key_update(assignments)
-        self.statements = (CLAIM_READ, PROBATION, self._upsert, WINNER)
+        self.statements = (READ, PROBATION, self._upsert, WINNER)
 
-    async def attempt(
+    async def take(
         self, driver: Driver, params: dict[str, Any], deadline: float, *, durable: bool
-    ) -> tuple[Row | None, bool]:
-        live, again = await _read_live(driver, params, deadline, durable=durable)
-        if live is not None or again:
-            return live, False
+    ) -> Sequence[Row]:
         await driver.change(self._upsert, params, deadline=deadline, durable=durable)
-        rows = await driver.fetch(WINNER, params, deadline=deadline)
-        return None, bool(rows) and rows[0][0] == params["p_token"]
+        return await driver.fetch(WINNER, params, deadline=deadline)
 
 
 _MYSQL = MySQLClaim()

@@ -6,6 +6,7 @@ from the database server's clock, in milliseconds since the Unix epoch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,8 @@ from sqlalchemy.sql.expression import (
 from sqlalchemy.types import BigInteger, Integer
 
 from idempotency_mw.stores.sql.schema import records
-from idempotency_mw.values.records import RecordStatus
+from idempotency_mw.values.outcome import Fenced, Found
+from idempotency_mw.values.records import RecordStatus, StoredResponse, unpack_headers
 
 
 class _NowMs(FunctionElement[int]):
@@ -106,10 +108,6 @@ NEW_RECORD: dict[str, Any] = {
     "caller_binding": bindparam("p_binding"),
     "committed_at": None,
 }
-#: In progress, its effect committed, its lease lapsed once and given one more by a claim
-#: (its holder may still be alive behind a store that stalled): ``committed_at`` is negated
-#: while on probation, and made positive again by the holder's renewal or settlement.
-ON_PROBATION = records.c.committed_at < 0
 #: In progress, its effect committed, and its lease lapsed for the first time since its holder
 #: last renewed it, found by the same request of the same caller: a claim answers it
 #: in-progress and puts it on probation (:data:`PROBATION`).
@@ -121,26 +119,68 @@ PROBATION_DUE = and_(
     bindparam("p_binding") == BINDING,
     not_(EXPIRED),
 )
-#: A key's record as a claim reads it; ``free`` last: whether the claim may take it.
+#: The clock a record is read by, one row: joined to the record (if any), what decide() takes.
+_CLOCK = select(NOW.label("clock_ms")).subquery("clock")
+#: A key's record as a claim or a lookup reads it, the clock first (:func:`found_of`): one row,
+#: the record's columns NULL when there is none.
 READ = select(
+    _CLOCK.c.clock_ms,
     records.c.request_hash,
     records.c.status,
+    records.c.token,
+    records.c.lease_expires_at,
+    records.c.expires_at,
+    BINDING.label("binding"),
+    records.c.committed_at,
     records.c.response_status,
     records.c.response_headers,
     records.c.result_payload,
-    BINDING.label("binding"),
-    records.c.expires_at,
-    # In progress, its effect committed, and nobody held it for a whole lease of probation.
+).select_from(_CLOCK.outerjoin(records, KEY_IS))
+#: Not first sent longer ago than the claim's ttl, nor ahead of the skew (``p_first_sent_ms``
+#: NULL: it did not say): decide()'s rule, for a take made in the same statement.
+FRESH = or_(
+    bindparam("p_first_sent_ms", type_=BigInteger).is_(None),
     and_(
-        records.c.status == IN_PROGRESS,
-        ON_PROBATION,
-        records.c.lease_expires_at <= NOW,
-    ).label("orphaned"),
-    MINE.label("mine"),
-    CAN_TAKE_OVER.label("free"),
-).where(KEY_IS)
-#: :data:`READ` and, after it, whether the record is due for probation.
-CLAIM_READ = READ.add_columns(PROBATION_DUE.label("due"))
+        bindparam("p_first_sent_ms", type_=BigInteger)
+        >= NOW - bindparam("p_ttl_ms", type_=BigInteger),
+        bindparam("p_first_sent_ms", type_=BigInteger)
+        <= NOW + bindparam("p_skew_ms", type_=BigInteger),
+    ),
+)
+
+
+def found_of(row: Sequence[Any]) -> tuple[Found | None, float]:
+    """The record and the clock (seconds) of a row of :data:`READ`."""
+    clock_ms, request_hash, status, token, lease_ms, expires_ms, binding, committed_at = row[:8]
+    if status is None:
+        return None, clock_ms / 1000
+    response = None
+    if status == RecordStatus.COMPLETED.value:
+        response_status, headers, payload = row[8:11]
+        response = StoredResponse(response_status, unpack_headers(headers), bytes(payload))
+    found = Found(
+        RecordStatus(status),
+        request_hash,
+        token,
+        binding,
+        lease_ms / 1000,
+        expires_ms / 1000,
+        _fenced(committed_at),
+        response,
+    )
+    return found, clock_ms / 1000
+
+
+def _fenced(committed_at: int | None) -> Fenced:
+    """A committed effect's mark. A record whose lease lapsed once after its effect committed
+    is given one more lease by a claim (its holder may still be alive behind a store that
+    stalled): ``committed_at`` is negated while on probation, and made positive again by the
+    holder's renewal or settlement."""
+    if committed_at is None:
+        return Fenced.NO
+    return Fenced.ON_PROBATION if committed_at < 0 else Fenced.COMMITTED
+
+
 #: The record's holder given one more lease, on probation: one statement whose condition
 #: decides, so of concurrent claims that found it due exactly one grants it.
 PROBATION = (
@@ -156,16 +196,7 @@ _COMMITTED_AT = func.abs(records.c.committed_at)
 WINNER = select(records.c.token).where(KEY_IS)
 #: A caller's look at its key's record (one bound to other credentials is not found), with
 #: the clock it is read by.
-LOOKUP = select(
-    records.c.status,
-    records.c.committed_at.is_not(None),
-    records.c.lease_expires_at,
-    records.c.expires_at,
-    records.c.response_status,
-    records.c.response_headers,
-    records.c.result_payload,
-    NOW,
-).where(KEY_IS, bindparam("p_binding") == BINDING)
+LOOKUP = READ.where(bindparam("p_binding") == BINDING)
 RENEW = (
     update(records)
     .where(OWNED)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import URL
@@ -30,6 +30,7 @@ from idempotency_mw.stores.sql.statements import (
     SCOPED_PURGES,
     SETTLING,
     SILENT,
+    found_of,
 )
 from idempotency_mw.values.exceptions import (
     ConfigurationError,
@@ -39,15 +40,13 @@ from idempotency_mw.values.exceptions import (
 )
 from idempotency_mw.values.findings import ServerCheck
 from idempotency_mw.values.metrics import key_hash
+from idempotency_mw.values.outcome import FIRST_SENT_SKEW, Asking, lookup_state
 from idempotency_mw.values.records import (
     Claim,
-    ClaimOutcome,
     RecordState,
     RecordStatus,
     StoredResponse,
     pack_headers,
-    record_state,
-    unpack_headers,
 )
 
 T = TypeVar("T")
@@ -146,6 +145,7 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         token: str,
         binding: str = "",
         durable: bool = True,
+        first_sent: float | None = None,
     ) -> Claim:
         params = {
             **_record_of(scope, key),
@@ -154,20 +154,22 @@ class SQLStore(SQLInspection, ClaimsWithToken):
             "p_token": token,
             "p_ttl_ms": int(ttl * 1000),
             "p_lease_ms": int(lease * 1000),
+            "p_first_sent_ms": None if first_sent is None else int(first_sent * 1000),
+            "p_skew_ms": int(FIRST_SENT_SKEW * 1000),
         }
-        # A record the read finds live decides the outcome without a write (a replay is one
+        asking = Asking(fingerprint, binding, token, ttl, first_sent)
+        # A record the read finds decides the outcome without a write (a replay is one
         # statement). Otherwise the atomic upsert decides; if another request won it in between,
         # the next attempt reads that request's record.
         for _ in range(3):
-            live, taken = await self._call(
+            claim = await self._call(
                 "claim",
-                lambda ends: self._claim_sql.attempt(self._database, params, ends, durable=durable),
+                lambda ends: self._claim_sql.attempt(
+                    self._database, params, asking, ends, durable=durable
+                ),
             )
-            if taken:
-                return Claim(ClaimOutcome.ACQUIRED, token=token)
-            existing = _outcome_of(live, fingerprint, token, binding)
-            if existing is not None:
-                return existing
+            if claim is not None:
+                return claim
         raise StoreError(f"claim on {self!r} failed: the record kept changing while it was claimed")
 
     async def lookup(self, scope: str, key: str, *, binding: str = "") -> RecordState | None:
@@ -176,19 +178,7 @@ class SQLStore(SQLInspection, ClaimsWithToken):
         rows = await self._call(
             "lookup", lambda ends: self._database.fetch(LOOKUP, params, deadline=ends)
         )
-        if not rows:
-            return None
-        status, fenced, lease_ends, expires, response_status, headers, payload, now = rows[0]
-        return record_state(
-            status,
-            fenced=bool(fenced),
-            lease_ends=lease_ends / 1000,
-            expires=expires / 1000,
-            now=now / 1000,
-            response=None
-            if status != RecordStatus.COMPLETED.value
-            else _stored(response_status, headers, payload),
-        )
+        return lookup_state(*found_of(rows[0])) if rows else None
 
     async def renew(self, scope: str, key: str, token: str, *, lease: float) -> bool:
         params = {**_record_of(scope, key), "p_token": token, "p_lease_ms": int(lease * 1000)}
@@ -376,48 +366,3 @@ def _driver_error(exc: BaseException) -> BaseException | None:
 
 def _record_of(scope: str, key: str) -> dict[str, str]:
     return {"p_scope": stored_name(scope), "p_key": stored_name(key)}
-
-
-def _outcome_of(
-    row: Sequence[Any] | None, fingerprint: str, token: str, binding: str
-) -> Claim | None:
-    """The outcome a live record decides (a row of ``READ``), or ``None`` if the key is free.
-
-    A record in progress under ``token`` is this request's own: its claim was delivered before.
-    """
-    if row is None:
-        return None
-    (
-        request_hash,
-        status,
-        response_status,
-        response_headers,
-        result_payload,
-        bound_to,
-        expires_ms,
-        orphaned,
-        mine,
-        free,
-    ) = row
-    if free:
-        return None
-    if mine:
-        return Claim(ClaimOutcome.ACQUIRED, token=token)
-    if bound_to != binding:
-        return Claim(ClaimOutcome.CREDENTIAL_MISMATCH)
-    expires = expires_ms / 1000
-    if request_hash != fingerprint:
-        return Claim(ClaimOutcome.MISMATCH, expires_at=expires)
-    if status == RecordStatus.COMPLETED.value:
-        response = _stored(response_status, response_headers, result_payload)
-        return Claim(ClaimOutcome.REPLAY, response=response, expires_at=expires)
-    if status == RecordStatus.UNREPLAYABLE.value:
-        return Claim(ClaimOutcome.UNREPLAYABLE, expires_at=expires)
-    if orphaned or status == RecordStatus.COMMITTED.value:
-        return Claim(ClaimOutcome.COMMITTED_WITHOUT_RESPONSE, expires_at=expires)
-    return Claim(ClaimOutcome.IN_PROGRESS, expires_at=expires)
-
-
-def _stored(status: int, headers: bytes, payload: bytes) -> StoredResponse:
-    """A completed record's response, as the table holds it."""
-    return StoredResponse(status, unpack_headers(headers), bytes(payload))
