@@ -28,7 +28,7 @@ import pytest
 from idempotency_mw.stores.base import ClaimsWithToken, Inspectable, Store, takes_keyword
 from idempotency_mw.values.records import Claim, ClaimOutcome, StoredResponse, new_token
 
-__all__ = ["CASES", "StoreConformance", "run"]
+__all__ = ["CASES", "StoreConformance"]
 
 T = TypeVar("T")
 
@@ -630,6 +630,7 @@ class _AtURL:
         default_factory=lambda: dict.fromkeys(("passed", "failed", "skipped"), 0)
     )
     _ended: pytest.TestReport | None = dataclasses.field(default=None, init=False)
+    _seconds: float = dataclasses.field(default=0.0, init=False)
 
     @pytest.fixture
     def at_url(self) -> _AtURL:
@@ -639,12 +640,13 @@ class _AtURL:
         # A case ends as its first phase (setup, call, clean-up) that did not pass.
         if self._ended is None or (self._ended.passed and not report.passed):
             self._ended = report
+        self._seconds += report.duration
         if report.when != "teardown":
             return
-        ended, self._ended = self._ended, None
+        ended, seconds, self._ended, self._seconds = self._ended, self._seconds, None, 0.0
         self.counts[ended.outcome] += 1
         case = report.nodeid.rpartition("::test_")[2]
-        line = f"{ended.outcome.upper():<7} {case} ({report.duration + ended.duration:.2f} s)"
+        line = f"{ended.outcome.upper():<7} {case} ({seconds:.2f} s)"
         print(f"{line}: {_why(ended)}" if not ended.passed else line, flush=True)
 
     def pytest_sessionfinish(self) -> None:
@@ -681,19 +683,18 @@ def run(
     url: str,
     *,
     prefix: str,
-    cases: Sequence[str] = CASES,
-    tick: float = 0.1,
-    case_timeout: float = 30.0,
+    cases: Sequence[str],
+    tick: float,
+    case_timeout: float,
 ) -> int:
     """Run ``cases`` on the store at ``url`` (as :func:`~idempotency_mw.operator.admin.build_store`
     builds it, Redis keys under ``prefix``) through pytest, which reports each case as it ends;
     pytest's exit code."""
     where = f"{__file__}::{TestStoreAtURL.__name__}"
-    # This module's tests only, under no one's settings: not those of the folder it is run
-    # in, nor its conftest files, and no cache written into the installed package.
+    # This module's tests only, under none of the settings, conftest files or plugins of the
+    # folder it is run in: anyio's plugin runs the cases, no cache is written into the
+    # installed package, and _AtURL's lines stand for pytest's terminal report.
     settings = ["-c", os.devnull, "--rootdir", str(Path(__file__).parent), "--noconftest"]
-    # No plugin but anyio's (the cases' runner), no cache written into the installed package,
-    # and the lines of _AtURL instead of pytest's terminal report.
     plugins = ["--disable-plugin-autoload", "-p", "anyio", "-p", "no:cacheprovider"]
     quiet = ["-p", "no:terminal", "--assert=plain"]
     chosen = [f"{where}::test_{case}" for case in cases]

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from idempotency_mw import ClaimOutcome, SQLStore
+from idempotency_mw.operator import conformance
 from idempotency_mw.operator.cli import main
 from idempotency_mw.testing import CASES
 from tests.conftest import REDIS_URL, redis_prefix, require_server
@@ -148,3 +149,20 @@ def test_a_store_without_its_table_is_said_once(
     assert out == ""
     assert err.count("\n") == 1
     assert "idempotency-mw migrate" in err
+
+
+def test_the_folders_pytest_settings_and_conftest_are_not_the_commands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Run from an application's checkout: its pytest settings, conftest and cache are its own.
+    url, _ = migrated_sqlite(tmp_path)
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "pytest.ini").write_text("[pytest]\naddopts = --no-such-option\n")
+    (app / "conftest.py").write_text("raise RuntimeError('the application conftest')\n")
+    monkeypatch.chdir(app)
+    capsys.readouterr()
+    assert main(["conformance", "--store", url, "--case", "scopes_are_isolated"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "1 passed, 0 failed, 0 skipped"
+    assert sorted(path.name for path in app.iterdir()) == ["conftest.py", "pytest.ini"]
+    assert not (Path(conformance.__file__).parent / ".pytest_cache").exists()
