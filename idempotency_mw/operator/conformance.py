@@ -234,8 +234,8 @@ class StoreConformance:
         """Seconds a case may take before it fails (and as many for its clean-up)."""
         return 30.0
 
-    @pytest.fixture
-    async def bench(
+    @pytest.fixture(name="bench")
+    async def _bench(
         self, store: Store, tick: float, case_timeout: float, request: pytest.FixtureRequest
     ) -> AsyncIterator[_Bench]:
         """The case's store, started, in a scope of the case's own; cleaned up afterwards."""
