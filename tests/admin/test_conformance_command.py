@@ -4,6 +4,7 @@ pytest, each printed, nothing left behind, and a failing case makes the command 
 from __future__ import annotations
 
 import sqlite3
+import subprocess
 import sys
 from pathlib import Path
 
@@ -124,6 +125,18 @@ def test_an_unknown_case_is_refused_with_the_names(
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("idempotency-mw: no such case: nope (the cases: first_claim_acquires")
+
+
+def test_memory_store_and_the_other_commands_need_no_pytest() -> None:
+    # Only the cases import pytest: MemoryStore serves demos and benchmarks without it.
+    without = (
+        "import sys; sys.modules['pytest'] = None; "
+        "from idempotency_mw.testing import MemoryStore; "
+        "from idempotency_mw.operator.cli import main; "
+        "sys.exit(main(['--version']))"
+    )
+    ran = subprocess.run([sys.executable, "-c", without], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
 
 
 def test_without_pytest_the_command_names_the_extra(
