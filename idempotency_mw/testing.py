@@ -1,5 +1,6 @@
 """Helpers for tests: :class:`MemoryStore`, a store that needs no server, and
-:func:`conformance`, the Store contract's cases for a store of your own."""
+:class:`StoreConformance`, the Store contract's cases as pytest tests for a store of your own
+(imported on first use: it needs pytest)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
-from idempotency_mw.operator.conformance import CASES, CaseResult, ConformanceResult, conformance
 from idempotency_mw.stores.base import ClaimsWithToken
 from idempotency_mw.values.outcome import Asking, Found, decide, lookup_state
 from idempotency_mw.values.records import (
@@ -25,7 +26,19 @@ from idempotency_mw.values.records import (
     record_version,
 )
 
-__all__ = ["CASES", "CaseResult", "ConformanceResult", "MemoryStore", "conformance"]
+if TYPE_CHECKING:
+    from idempotency_mw.operator.conformance import CASES, StoreConformance
+
+__all__ = ["CASES", "MemoryStore", "StoreConformance"]
+
+
+def __getattr__(name: str) -> Any:
+    # The cases are pytest tests: MemoryStore alone needs no pytest.
+    if name not in ("CASES", "StoreConformance"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from idempotency_mw.operator import conformance
+
+    return getattr(conformance, name)
 
 
 @dataclass(frozen=True, slots=True)

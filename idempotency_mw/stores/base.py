@@ -256,9 +256,9 @@ class ServerChecked(Protocol):
 class ClaimsWithToken(abc.ABC):
     """A store whose :meth:`claim` is :meth:`_claim` with a fresh token.
 
-    ``_claim`` with a token already used is that claim delivered again: the conformance suite
-    (:func:`idempotency_mw.testing.conformance`) calls it twice to check that a store recognises
-    its own token, on a store of this class only (it skips that case on any other).
+    ``_claim`` with a token already used is that claim delivered again: the conformance cases
+    (:class:`idempotency_mw.testing.StoreConformance`) call it twice to check that a store
+    recognises its own token, on a store of this class only (they skip that case on any other).
     """
 
     async def claim(

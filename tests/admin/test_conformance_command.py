@@ -1,9 +1,11 @@
-"""``idempotency-mw conformance``: the Store contract's cases on the store at a URL, each
-printed, nothing left behind, and a failing case makes the command fail."""
+"""``idempotency-mw conformance``: the Store contract's cases on the store at a URL, run by
+pytest, each printed, nothing left behind, and a failing case makes the command fail."""
 
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -11,6 +13,7 @@ import pytest
 import redis
 
 from idempotency_mw import ClaimOutcome, SQLStore
+from idempotency_mw.operator import conformance
 from idempotency_mw.operator.cli import main
 from idempotency_mw.testing import CASES
 from tests.conftest import REDIS_URL, redis_prefix, require_server
@@ -105,10 +108,48 @@ def test_a_failing_case_fails_the_command(
     passed, failed, summary = out.splitlines()
     assert passed.startswith("PASSED  scopes_are_isolated (")
     assert failed.startswith("FAILED  a_large_binary_response_round_trips (")
-    assert "the store raised StoreError" in failed
-    assert "too large" in failed
+    assert "StoreError: complete on SQLStore" in failed
+    assert failed.endswith("too large")
     assert summary == "1 passed, 1 failed, 0 skipped"
-    assert err == "idempotency-mw: the store broke the contract in 1 of 2 cases\n"
+    assert err == (
+        "idempotency-mw: the store broke the contract: pytest's report above names each case\n"
+    )
+
+
+def test_an_unknown_case_is_refused_with_the_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = migrated_sqlite(tmp_path)
+    capsys.readouterr()
+    assert main(["conformance", "--store", url, "--case", "keys_are_exact", "--case", "nope"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("idempotency-mw: no such case: nope (the cases: first_claim_acquires")
+
+
+def test_memory_store_and_the_other_commands_need_no_pytest() -> None:
+    # Only the cases import pytest: MemoryStore serves demos and benchmarks without it.
+    without = (
+        "import sys; sys.modules['pytest'] = None; "
+        "from idempotency_mw.testing import MemoryStore; "
+        "from idempotency_mw.operator.cli import main; "
+        "sys.exit(main(['--version']))"
+    )
+    ran = subprocess.run([sys.executable, "-c", without], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+
+
+def test_without_pytest_the_command_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = migrated_sqlite(tmp_path)
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "pytest", None)  # as if it were not installed
+    assert main(["conformance", "--store", url]) == 2
+    assert capsys.readouterr().err == (
+        "idempotency-mw: this needs pytest: install the [conformance] extra (pip install "
+        "'idempotency-mw[conformance]', or from a checkout: pip install -e '.[conformance]')\n"
+    )
 
 
 def test_a_store_without_its_table_is_said_once(
@@ -121,3 +162,20 @@ def test_a_store_without_its_table_is_said_once(
     assert out == ""
     assert err.count("\n") == 1
     assert "idempotency-mw migrate" in err
+
+
+def test_the_folders_pytest_settings_and_conftest_are_not_the_commands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Run from an application's checkout: its pytest settings, conftest and cache are its own.
+    url, _ = migrated_sqlite(tmp_path)
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "pytest.ini").write_text("[pytest]\naddopts = --no-such-option\n")
+    (app / "conftest.py").write_text("raise RuntimeError('the application conftest')\n")
+    monkeypatch.chdir(app)
+    capsys.readouterr()
+    assert main(["conformance", "--store", url, "--case", "scopes_are_isolated"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "1 passed, 0 failed, 0 skipped"
+    assert sorted(path.name for path in app.iterdir()) == ["conftest.py", "pytest.ini"]
+    assert not (Path(conformance.__file__).parent / ".pytest_cache").exists()

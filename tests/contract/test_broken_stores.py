@@ -1,21 +1,30 @@
-"""The conformance suite catches a broken store: each breaks one rule of the Store contract,
-and the cases that name that rule fail while the others pass. A store that is only slow for a
-moment is not taken for a broken one."""
+"""The shipped cases catch a broken store: each breaks one rule of the Store contract, and
+the cases that name that rule fail while the others pass. A store that is only slow for a
+moment is not taken for a broken one. The cases run as a user runs them: pytest on a test
+module that subclasses ``StoreConformance``, the one the docs show."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
 
-from idempotency_mw import Claim, StoredResponse
-from idempotency_mw.testing import ConformanceResult, MemoryStore, conformance
+from idempotency_mw import Claim, Store, StoredResponse
+from idempotency_mw.testing import CASES, MemoryStore
 from idempotency_mw.values.records import ClaimOutcome
+from tests.support.readme import marked
 
-pytestmark = pytest.mark.anyio
+pytest_plugins = ["pytester"]
+
+#: The docs' test module and conftest for a store of one's own, run here as written, and on
+#: the stores below in place of the conftest's.
+USERS_MODULE = marked("file test_my_store.py (run by tests/contract/test_broken_stores.py)")
+USERS_CONFTEST = marked("file conftest.py (its store fixture, for the block below)")
 
 
 class TokenBlindStore(MemoryStore):
@@ -115,15 +124,57 @@ class StallingStore(MemoryStore):
         return await super()._claim(scope, key, fingerprint, **options)
 
 
-async def failed_cases(broken: type[MemoryStore]) -> set[str]:
-    result: ConformanceResult = await conformance(broken, tick=0.05)
-    assert not result.skipped, str(result)
-    assert not result.ok
-    return {case.name for case in result.failed}
+@dataclass
+class Given:
+    """A pytest plugin whose ``store`` fixture stands for the docs' conftest."""
+
+    make: Callable[[], Store]
+
+    @pytest.fixture
+    def store(self) -> Store:
+        return self.make()
 
 
-async def test_a_store_that_ignores_the_token_on_complete_fails() -> None:
-    assert await failed_cases(TokenBlindStore) == {
+def outcomes(
+    pytester: pytest.Pytester, make: Callable[[], Store] | None, *cases: str
+) -> dict[str, pytest.TestReport]:
+    """Each case's report, as pytest ran the docs' test module on the stores ``make`` builds
+    (``None``: the docs' conftest's)."""
+    path = pytester.path / "test_my_store.py"
+    path.write_text(USERS_MODULE.text)
+    given = []
+    if make is None:
+        (pytester.path / "conftest.py").write_text(USERS_CONFTEST.text)
+    else:
+        given.append(Given(make))
+    chosen = [f"{path}::TestMyStore::test_{case}" for case in cases] or [str(path)]
+    # anyio's plugin only: loading every installed one costs seconds per run.
+    plugins = ["--disable-plugin-autoload", "-p", "anyio", "-p", "no:cacheprovider"]
+    run = pytester.inline_run(*plugins, *chosen, plugins=given)
+    reports = run.getreports("pytest_runtest_logreport")
+    ended = {
+        report.nodeid.rpartition("::test_")[2]: report
+        for report in reports
+        if report.when == "call"
+    }
+    assert not [report for report in reports if report.when != "call" and not report.passed]
+    return ended
+
+
+def failed_cases(pytester: pytest.Pytester, broken: Callable[[], Store]) -> set[str]:
+    ended = outcomes(pytester, broken)
+    assert list(ended) == list(CASES)
+    assert not [case for case, report in ended.items() if report.skipped]
+    return {case for case, report in ended.items() if report.failed}
+
+
+def test_the_docs_module_passes_as_written(pytester: pytest.Pytester) -> None:
+    ended = outcomes(pytester, None)
+    assert [case for case, report in ended.items() if report.passed] == list(CASES)
+
+
+def test_a_store_that_ignores_the_token_on_complete_fails(pytester: pytest.Pytester) -> None:
+    assert failed_cases(pytester, TokenBlindStore) == {
         "a_strangers_token_changes_nothing",
         "a_lapsed_lease_is_taken_over_and_the_stale_holder_changes_nothing",
         "a_completion_delivered_twice_is_acknowledged_both_times",
@@ -131,59 +182,47 @@ async def test_a_store_that_ignores_the_token_on_complete_fails() -> None:
     }
 
 
-async def test_a_store_that_reads_then_writes_fails() -> None:
-    assert await failed_cases(ReadThenWriteStore) == {"of_concurrent_claims_exactly_one_acquires"}
+def test_a_store_that_reads_then_writes_fails(pytester: pytest.Pytester) -> None:
+    assert failed_cases(pytester, ReadThenWriteStore) == {
+        "of_concurrent_claims_exactly_one_acquires"
+    }
 
 
 @pytest.mark.parametrize("broken", [CallersClockStore, CallersMonotonicClockStore])
-async def test_a_store_on_the_callers_clock_fails(broken: type[MemoryStore]) -> None:
-    assert await failed_cases(broken) == {
+def test_a_store_on_the_callers_clock_fails(
+    pytester: pytest.Pytester, broken: type[MemoryStore]
+) -> None:
+    assert failed_cases(pytester, broken) == {
         "leases_and_ttls_run_on_the_stores_clock",
         "first_sent_times_are_judged_on_the_stores_clock",
     }
 
 
-async def test_a_store_that_forgets_retention_fails() -> None:
+def test_a_store_that_forgets_retention_fails(pytester: pytest.Pytester) -> None:
     # Kept as long as the lease, a record outlives a TTL shorter than its lease too.
-    assert await failed_cases(LeaseRetentionStore) == {
+    assert failed_cases(pytester, LeaseRetentionStore) == {
         "a_completed_record_keeps_its_retention",
         "an_expired_record_is_absent",
         "a_purge_never_touches_live_records",
     }
 
 
-async def test_a_store_whose_renewals_do_not_last_fails() -> None:
-    assert await failed_cases(StaleRenewalStore) == {"a_renewed_lease_is_never_taken_over"}
+def test_a_store_whose_renewals_do_not_last_fails(pytester: pytest.Pytester) -> None:
+    assert failed_cases(pytester, StaleRenewalStore) == {"a_renewed_lease_is_never_taken_over"}
 
 
-async def test_the_result_names_each_failure_and_its_message() -> None:
-    result = await conformance(
-        CallersClockStore,
-        cases=["first_claim_acquires_and_a_repeat_is_in_progress", *_CLOCK],
-    )
-    assert result.passed == ("first_claim_acquires_and_a_repeat_is_in_progress",)
-    (failure,) = result.failed
-    assert failure.name == _CLOCK[0]
-    assert failure.message == "a claim from a worker a day ahead answered ACQUIRED, not IN_PROGRESS"
-    lines = str(result).splitlines()
-    assert lines[0].startswith("PASSED  first_claim_acquires_and_a_repeat_is_in_progress (")
-    assert lines[1].startswith(f"FAILED  {_CLOCK[0]} (")
-    assert lines[1].endswith(f": {failure.message}")
-    assert lines[2] == "1 passed, 1 failed, 0 skipped"
+def test_a_failure_names_what_the_store_did(pytester: pytest.Pytester) -> None:
+    case = "leases_and_ttls_run_on_the_stores_clock"
+    ended = outcomes(pytester, CallersClockStore, case)
+    assert ended[case].failed
+    said = "Failed: a claim from a worker a day ahead answered ACQUIRED, not IN_PROGRESS"
+    assert said in ended[case].longreprtext
 
 
-_CLOCK = ["leases_and_ttls_run_on_the_stores_clock"]
-
-
-async def test_an_unknown_case_is_refused() -> None:
-    with pytest.raises(ValueError, match="no such conformance case: nope"):
-        await conformance(MemoryStore, cases=["nope"])
-
-
-async def test_a_stall_past_the_lease_is_judged_again_not_failed() -> None:
+def test_a_stall_past_the_lease_is_judged_again_not_failed(pytester: pytest.Pytester) -> None:
     # A claim that reaches the store after the renewed lease ended may take the key over: the
     # case starts again on another key instead of failing the store.
     stalling = StallingStore()
-    result = await conformance(lambda: stalling, cases=["a_renewed_lease_is_never_taken_over"])
-    assert result.ok, str(result)
+    case = "a_renewed_lease_is_never_taken_over"
+    assert outcomes(pytester, lambda: stalling, case)[case].passed
     assert stalling.stalls == 0

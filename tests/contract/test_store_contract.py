@@ -1,7 +1,7 @@
 """The Store contract, checked directly on every store, built every way a user can build it.
 
-The contract's cases are the conformance suite's (``idempotency_mw.testing.conformance``), one
-test per case and store; what only this project's stores promise is checked here besides.
+The contract's cases are the shipped pytest cases (``idempotency_mw.testing.StoreConformance``),
+one test per case and store; what only this project's stores promise is checked here besides.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw import Claim, ClaimOutcome, SQLStore, Store, StoredResponse
 from idempotency_mw.stores.sql import async_url
-from idempotency_mw.testing import CASES, conformance
+from idempotency_mw.testing import StoreConformance
 from tests.conftest import (
     DATABASES,
     STORE_PATHS,
@@ -55,11 +55,13 @@ RESPONSE = StoredResponse(
 )
 
 
-@pytest.mark.parametrize("case", list(CASES))
-async def test_the_store_conforms(store: Store, case: str) -> None:
-    # Our stores count milliseconds: a lease of 50 ms lapses as surely as one of 100.
-    result = await conformance(lambda: store, cases=[case], tick=0.05)
-    assert result.passed == (case,), str(result)
+class TestEveryStoreConforms(StoreConformance):
+    """The shipped cases on each way of building a store (this module's ``store``)."""
+
+    @pytest.fixture
+    def tick(self) -> float:
+        # Our stores count milliseconds: a lease of 50 ms lapses as surely as one of 100.
+        return 0.05
 
 
 async def acquire(store: Store, key: str = "k", fingerprint: str = "f", **times: float) -> str:
