@@ -35,6 +35,7 @@ from tests.conftest import (
 )
 from tests.support.apps import make_app
 from tests.support.faults import MariaDBServer, free_port
+from tests.support.readme import ROOT
 from tests.support.redis_servers import RedisCluster, RedisSentinel, start_server, stop_servers
 from tests.support.scratch import run_on_server, scratch_database
 
@@ -304,12 +305,43 @@ def libfaketime() -> str:
     return found[0]
 
 
+def with_clock(shift: str, *command: str) -> subprocess.CompletedProcess[str]:
+    """``command`` run in a process whose clock is ``shift`` seconds from the machine's (the
+    store's server keeps the machine's)."""
+    env = {**os.environ, "LD_PRELOAD": libfaketime(), "FAKETIME": shift}
+    return subprocess.run(
+        command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
 def check_with_clock(url: str, shift: str) -> subprocess.CompletedProcess[str]:
     """``idempotency-mw check --store <url>`` run by an app whose clock is ``shift`` seconds
-    from the machine's (the store's server keeps the machine's)."""
-    env = {**os.environ, "LD_PRELOAD": libfaketime(), "FAKETIME": shift}
-    command = [str(Path(sys.executable).parent / "idempotency-mw"), "check", "--store", url]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    from the store's."""
+    return with_clock(
+        shift, str(Path(sys.executable).parent / "idempotency-mw"), "check", "--store", url
+    )
+
+
+#: An app's start-up (the middleware's lifespan) on the store at ``sys.argv[1]``, its log on
+#: stdout.
+STARTUP = """
+import asyncio, logging, sys
+from asgi_lifespan import LifespanManager
+from idempotency_mw import RedisStore
+from tests.support.apps import make_app
+
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(levelname)s %(message)s")
+
+
+async def main() -> None:
+    store = RedisStore(sys.argv[1])
+    async with LifespanManager(make_app(store)):
+        pass
+    await store.aclose()
+
+
+asyncio.run(main())
+"""
 
 
 @pytest.fixture(params=["redis", *SERVER_DATABASES])
@@ -347,3 +379,13 @@ def test_sqlite_keeps_the_apps_own_clock(tmp_path: Path) -> None:
     ran = check_with_clock(f"sqlite:///{database}", "-30")
     assert ran.returncode == 0, (ran.stdout, ran.stderr)
     assert "nothing found" in ran.stdout
+
+
+def test_an_app_started_with_its_clock_behind_the_stores_warns_once(tmp_path: Path) -> None:
+    for url in redis_started(tmp_path, "--maxmemory-policy", "noeviction", *DURABLE):
+        started = with_clock("-30", sys.executable, "-c", STARTUP, url)
+    assert started.returncode == 0, started.stderr
+    warnings = [line for line in started.stdout.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1, started.stdout
+    assert "the app's clock is" in warnings[0]
+    assert "behind the store's" in warnings[0]
