@@ -1,11 +1,16 @@
 """``idempotency-mw check`` and the start-up warnings: the settings of a store's own server that
 lose records, read from servers started with them (Redis) or databases given them (PostgreSQL,
-MariaDB)."""
+MariaDB); the app's clock against the server's, shifted in the app's process by libfaketime."""
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,12 +27,15 @@ from idempotency_mw.values.findings import Severity
 from tests.conftest import (
     MARIADB_URL,
     POSTGRESQL_URL,
+    REQUIRE_SERVERS,
+    SERVER_DATABASES,
     _new_server,
     require_redis_server,
     require_server,
 )
 from tests.support.apps import make_app
 from tests.support.faults import MariaDBServer, free_port
+from tests.support.readme import ROOT
 from tests.support.redis_servers import RedisCluster, RedisSentinel, start_server, stop_servers
 from tests.support.scratch import run_on_server, scratch_database
 
@@ -281,3 +289,103 @@ async def test_sqlite_synchronous_normal(tmp_path: Path) -> None:
         await durable.aclose()
         await quick.aclose()
     assert (found.setting, found.found) == ("synchronous", "1")
+
+
+# ---------------------------------------------------------------- the app's clock
+
+
+def libfaketime() -> str:
+    """Debian's libfaketime, which shifts the clock of the process it is preloaded into."""
+    found = glob.glob("/usr/lib/*/faketime/libfaketime.so.1")
+    if not found:
+        message = "libfaketime is not installed (Debian: libfaketime)"
+        if REQUIRE_SERVERS:
+            pytest.fail(message + " (IDEMPOTENCY_REQUIRE_SERVERS=1)")
+        pytest.skip(message)
+    return found[0]
+
+
+def with_clock(shift: str, *command: str) -> subprocess.CompletedProcess[str]:
+    """``command`` run in a process whose clock is ``shift`` seconds from the machine's (the
+    store's server keeps the machine's)."""
+    env = {**os.environ, "LD_PRELOAD": libfaketime(), "FAKETIME": shift}
+    return subprocess.run(
+        command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def check_with_clock(url: str, shift: str) -> subprocess.CompletedProcess[str]:
+    """``idempotency-mw check --store <url>`` run by an app whose clock is ``shift`` seconds
+    from the store's."""
+    return with_clock(
+        shift, str(Path(sys.executable).parent / "idempotency-mw"), "check", "--store", url
+    )
+
+
+#: An app's start-up (the middleware's lifespan) on the store at ``sys.argv[1]``, its log on
+#: stdout.
+STARTUP = """
+import asyncio, logging, sys
+from asgi_lifespan import LifespanManager
+from idempotency_mw import RedisStore
+from tests.support.apps import make_app
+
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(levelname)s %(message)s")
+
+
+async def main() -> None:
+    store = RedisStore(sys.argv[1])
+    async with LifespanManager(make_app(store)):
+        pass
+    await store.aclose()
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(params=["redis", *SERVER_DATABASES])
+def clocked_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The URL of a store whose server has a clock of its own, and nothing else to find."""
+    if request.param in SERVER_DATABASES:
+        url: str = SERVER_DATABASES[request.param]
+        require_server(url)
+        yield url
+        return
+    yield from redis_started(tmp_path, "--maxmemory-policy", "noeviction", *DURABLE)
+
+
+@pytest.mark.parametrize(("shift", "side"), [("-30", "behind"), ("+30", "ahead of")])
+def test_an_app_clock_apart_from_the_stores_is_a_finding(
+    clocked_store: str, shift: str, side: str
+) -> None:
+    ran = check_with_clock(clocked_store, shift)
+    assert ran.returncode == 1, (ran.stdout, ran.stderr)
+    [line] = ran.stdout.splitlines()
+    said = re.search(rf"the app's clock is ([0-9.]+) s {side} the store's", line)
+    assert said, line
+    # The server reads its clock a moment after the app's first reading.
+    assert 29 <= float(said[1]) <= 30.1, line
+    assert "NTP" in line
+    # Within a second of the store's, the same app finds nothing.
+    near = check_with_clock(clocked_store, "+0.5")
+    assert near.returncode == 0, (near.stdout, near.stderr)
+    assert "nothing found" in near.stdout
+
+
+def test_sqlite_keeps_the_apps_own_clock(tmp_path: Path) -> None:
+    database = tmp_path / "records.db"
+    database.touch()
+    ran = check_with_clock(f"sqlite:///{database}", "-30")
+    assert ran.returncode == 0, (ran.stdout, ran.stderr)
+    assert "nothing found" in ran.stdout
+
+
+def test_an_app_started_with_its_clock_behind_the_stores_warns_once(tmp_path: Path) -> None:
+    for url in redis_started(tmp_path, "--maxmemory-policy", "noeviction", *DURABLE):
+        started = with_clock("-30", sys.executable, "-c", STARTUP, url)
+    assert started.returncode == 0, started.stderr
+    warnings = [line for line in started.stdout.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1, started.stdout
+    assert "the app's clock is" in warnings[0]
+    assert "behind the store's" in warnings[0]
