@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from idempotency_mw._version import __version__
 from idempotency_mw.engine.cleanup import PurgeSchedule
-from idempotency_mw.engine.downstream import downstream_key
 from idempotency_mw.engine.fence import fence, fence_sync
 from idempotency_mw.functions import (
     BytesCodec,
@@ -39,9 +38,10 @@ from idempotency_mw.values.exceptions import (
     SchemaError,
     StoreError,
 )
+from idempotency_mw.values.key_sources import KeySource, from_header, from_json
 from idempotency_mw.values.records import Claim, ClaimOutcome, StoredResponse
 from idempotency_mw.values.settings import CallOptions, RouteOptions
-from idempotency_mw.wire import KeySource, from_header, from_json
+from idempotency_mw.wire.keys import downstream_key
 
 if TYPE_CHECKING:
     from idempotency_mw.stores.redis import RedisStore

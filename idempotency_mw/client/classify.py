@@ -8,8 +8,9 @@ import re
 
 import httpx
 
-#: The ``type`` of every problem the middleware answers with, before its slug.
-PROBLEM_TYPE_PREFIX = "urn:idempotency-mw:problem:"
+from idempotency_mw.wire.http import PROBLEM_TYPE_PREFIX
+
+#: The ``type`` of each problem the client tells apart.
 MISMATCH = PROBLEM_TYPE_PREFIX + "mismatch"
 IN_PROGRESS = PROBLEM_TYPE_PREFIX + "in-progress"
 NOT_REPLAYABLE = PROBLEM_TYPE_PREFIX + "not-replayable"

@@ -53,13 +53,18 @@ from idempotency_mw.client.values import (
     RequestParts,
     RetryPolicy,
 )
-from idempotency_mw.credentials import is_credential
-from idempotency_mw.engine.downstream import operation_key
-from idempotency_mw.http.retention import FIRST_SENT_HEADER, http_date, parse_http_date
 from idempotency_mw.values.exceptions import ConfigurationError
 from idempotency_mw.values.metrics import EventHook, guard
 from idempotency_mw.values.records import KeyState
-from idempotency_mw.wire import HEADER_NAME, MAX_KEY_LENGTH
+from idempotency_mw.wire.credentials import is_credential
+from idempotency_mw.wire.http import (
+    FIRST_SENT_HEADER,
+    HEADER_NAME,
+    KEY_HEADER,
+    http_date,
+    parse_http_date,
+)
+from idempotency_mw.wire.keys import MAX_KEY_LENGTH, operation_key
 
 logger = logging.getLogger("idempotency_mw.client")
 
@@ -240,7 +245,7 @@ class Protocol:
         probed: frozenset[str],
         authenticates: Callable[[], bool] = lambda: False,
         policy: RetryPolicy | None = None,
-        header_name: str = "Idempotency-Key",
+        header_name: str = KEY_HEADER,
         key_prefix: str = "op",
         session_id: str | None = None,
         rng: random.Random | None = None,

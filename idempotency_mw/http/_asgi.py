@@ -8,9 +8,10 @@ from collections.abc import Awaitable, Callable
 from starlette.types import Message, Receive, Scope, Send
 
 from idempotency_mw.values.records import StoredResponse
-from idempotency_mw.wire import MAX_KEY_LENGTH, is_valid_key, key_rule
+from idempotency_mw.wire import http as wire
+from idempotency_mw.wire.keys import MAX_KEY_LENGTH, is_valid_key, key_rule
 
-REPLAYED_HEADER = (b"idempotent-replayed", b"true")
+REPLAYED_HEADER = (wire.REPLAYED_HEADER.lower().encode(), b"true")
 #: Statuses whose responses carry no body, so no Content-Length either.
 _BODILESS = frozenset({204, 304})
 

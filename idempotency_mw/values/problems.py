@@ -10,8 +10,7 @@ from http import HTTPStatus
 from starlette.types import Send
 
 from idempotency_mw.values.exceptions import SchemaError, StoreError
-
-_TYPE_PREFIX = "urn:idempotency-mw:problem:"
+from idempotency_mw.wire.http import PROBLEM_TYPE_PREFIX
 
 
 class Problem(enum.Enum):
@@ -46,7 +45,7 @@ class Problem(enum.Enum):
     @property
     def type_uri(self) -> str:
         """The problem's ``type`` member."""
-        return _TYPE_PREFIX + self.value[0]
+        return PROBLEM_TYPE_PREFIX + self.value[0]
 
 
 #: Whether a retry with the same key may get another answer. ``False``: the problem is final,
