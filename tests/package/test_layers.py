@@ -6,6 +6,8 @@ operator's module a leaf that no store (nor anything of the request's way) impor
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import idempotency_mw
@@ -165,3 +167,17 @@ def test_the_floors_import_only_down() -> None:
         if FLOORS.get(part(other), len(FLOORS)) > FLOORS[part(name)]
     ]
     assert up == []
+
+
+def test_importing_the_callers_half_loads_no_module_of_the_server() -> None:
+    # What a caller's process loads, the package's __init__ included.
+    script = (
+        "import sys, idempotency_mw.client, idempotency_mw.client.mcp\n"
+        "print(*sorted(m for m in sys.modules if m.startswith('idempotency_mw.')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert "idempotency_mw.client.mcp" in loaded
+    server = {"http", "functions", "mcp", "engine", "operator", "stores", "testing", "alembic"}
+    assert [name for name in loaded if part(name) in server] == []
