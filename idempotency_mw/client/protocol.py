@@ -24,7 +24,6 @@ from typing import Any, TypeAlias, TypedDict, TypeVar, cast
 import httpx
 
 from idempotency_mw.client.classify import (
-    COMMITTED_WITHOUT_RESPONSE,
     Verdict,
     classify,
     problem_type,
@@ -55,6 +54,7 @@ from idempotency_mw.client.values import (
 )
 from idempotency_mw.values.exceptions import ConfigurationError
 from idempotency_mw.values.metrics import EventHook, guard
+from idempotency_mw.values.problems import Problem
 from idempotency_mw.values.records import KeyState
 from idempotency_mw.wire.credentials import is_credential
 from idempotency_mw.wire.http import (
@@ -770,7 +770,7 @@ def _conclude(entry: JournalEntry) -> httpx.Response:
     if verdict is Verdict.CREDENTIAL_MISMATCH:
         raise _credential_mismatch(entry.key, response)
     if verdict is Verdict.NOT_REPLAYABLE:
-        if problem_type(response) == COMMITTED_WITHOUT_RESPONSE:
+        if problem_type(response) == Problem.COMMITTED_WITHOUT_RESPONSE.type_uri:
             raise CommittedWithoutResponse(
                 "it took effect; its response is not available", entry.key, response
             )

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from starlette.requests import HTTPConnection
 
 from idempotency_mw.engine.cleanup import PurgeSchedule
-from idempotency_mw.http._asgi import REPLAYED_HEADER
+from idempotency_mw.http._asgi import REPLAYED
 from idempotency_mw.stores.base import KeyLookup, Store, takes_keyword
 from idempotency_mw.values.exceptions import ConfigurationError
 from idempotency_mw.values.metrics import EventHook, guard
@@ -34,7 +34,7 @@ DEFAULT_UNRECORDED_HEADERS = CREDENTIAL_HEADERS | frozenset(
     }
 )
 #: Never recorded whatever the lists say: a replay sets this header itself, once.
-_ALWAYS_UNRECORDED = frozenset({REPLAYED_HEADER[0]})
+_ALWAYS_UNRECORDED = frozenset({REPLAYED[0]})
 
 CallerScope = Callable[[HTTPConnection], str | Awaitable[str]]
 

@@ -6,11 +6,13 @@ import enum
 import json
 from collections.abc import Mapping
 from http import HTTPStatus
-
-from starlette.types import Send
+from typing import TYPE_CHECKING
 
 from idempotency_mw.values.exceptions import SchemaError, StoreError
 from idempotency_mw.wire.http import PROBLEM_TYPE_PREFIX
+
+if TYPE_CHECKING:
+    from starlette.types import Send
 
 
 class Problem(enum.Enum):
