@@ -22,10 +22,9 @@ from typing import Any, ParamSpec, Protocol, TypeVar, Unpack, cast, overload
 import anyio.to_thread
 
 from idempotency_mw.engine.claim import Call, ClaimEngine, ClaimRequest, LeaseUnproven
-from idempotency_mw.engine.fence import current_claim
 from idempotency_mw.engine.lease import Clock
-from idempotency_mw.http.lifespan import check_store
 from idempotency_mw.stores.base import KeyLookup, Store
+from idempotency_mw.stores.checks import check_store
 from idempotency_mw.values.exceptions import (
     ConfigurationError,
     IdempotencyError,
@@ -36,7 +35,7 @@ from idempotency_mw.values.exceptions import (
 from idempotency_mw.values.metrics import EventHook, EventKind, guard
 from idempotency_mw.values.records import ClaimOutcome, RecordState, StoredResponse
 from idempotency_mw.values.settings import CALL_SETTINGS, CallOptions, LeaseLostAction, settings_of
-from idempotency_mw.wire import is_valid_key, key_rule
+from idempotency_mw.wire.keys import current_claim, is_valid_key, key_rule
 
 logger = logging.getLogger("idempotency_mw")
 

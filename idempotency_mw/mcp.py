@@ -40,15 +40,12 @@ from mcp_types import (
     CallToolRequestParams,
     CallToolResult,
     ErrorData,
-    RequestParams,
-    Result,
 )
 from pydantic import ValidationError
 from starlette.requests import HTTPConnection
 from typing_extensions import TypeVar
 
-from idempotency_mw.credentials import bound_headers, credential_digest
-from idempotency_mw.engine.fence import UNKEYED, CurrentClaim, current_claim
+from idempotency_mw.engine.fence import UNKEYED, CurrentClaim
 from idempotency_mw.functions import (
     COMMITTED_WITHOUT_RESULT,
     CommittedWithoutResult,
@@ -59,19 +56,27 @@ from idempotency_mw.functions import (
     ResultNotReplayable,
     StillRunning,
 )
-from idempotency_mw.http.lookup import state_json
-from idempotency_mw.http.retention import parse_first_sent
 from idempotency_mw.stores.base import Store
 from idempotency_mw.values.exceptions import IdempotencyError, LeaseLost, StoreError
 from idempotency_mw.values.metrics import EventHook
 from idempotency_mw.values.problems import RETRYABLE, Problem, store_failure
 from idempotency_mw.values.settings import CallOptions
-from idempotency_mw.wire import is_valid_key, key_rule
+from idempotency_mw.wire.credentials import bound_headers, credential_digest
+from idempotency_mw.wire.http import parse_first_sent
+from idempotency_mw.wire.keys import current_claim, is_valid_key, key_rule
+from idempotency_mw.wire.lookup import state_json
+from idempotency_mw.wire.mcp import (
+    FIRST_SENT_META,
+    LOOKUP_METHOD,
+    META_KEY,
+    REPLAYED_META,
+    RETRY_META,
+    KeyLookupResult,
+    LookupParams,
+)
 
 logger = logging.getLogger("idempotency_mw")
 
-#: Where a call carries its key: ``params._meta[META_KEY]`` (the client's, too).
-META_KEY = "idempotencyKey"
 #: The JSON-RPC error code of every refusal; ``data`` is the problem (its ``type`` says which,
 #: as in the middleware's problem+json answers, and callers read that, whatever the code).
 #: Outside JSON-RPC's reserved -32768..-32000, where MCP 2026-07-28 wants new codes
@@ -79,16 +84,6 @@ META_KEY = "idempotencyKey"
 IDEMPOTENCY_ERROR = -31030
 #: What a protected tool's ``_meta`` says, so that an agent can tell it from another.
 TOOL_META: dict[str, Any] = {"idempotency": {"key": f"_meta.{META_KEY}"}}
-#: Where a call says when its caller first sent it: an HTTP-date or an RFC 3339 date-time.
-FIRST_SENT_META = "idempotencyFirstSent"
-#: The request method that looks a key up: ``{"key": ...}`` answers a
-#: :class:`KeyLookupResult`, for the caller the key is bound to.
-LOOKUP_METHOD = "idempotency/lookup"
-#: Set in the ``_meta`` of a result that was replayed rather than run.
-REPLAYED_META = "idempotencyReplayed"
-#: Set in the ``_meta`` of the ``isError`` result of a tool that crashed: nothing was recorded
-#: and its key is free, so the same call may be sent again under it (an HTTP 500).
-RETRY_META = "idempotencyRetry"
 
 #: The namespace of the keys: a string, or a callable of the call's request context that
 #: returns the caller's namespace (awaited when it returns an awaitable).
@@ -359,26 +354,6 @@ class IdempotentTools(Extension):
     async def aclose(self) -> None:
         """Wait for store calls still running for ended calls; the store stays open."""
         await self.functions.aclose()
-
-
-class LookupParams(RequestParams):
-    """The params of :data:`LOOKUP_METHOD`: the key to look up."""
-
-    key: str
-
-
-class KeyLookupResult(Result):
-    """What :data:`LOOKUP_METHOD` answers: what the middleware's lookup answers over HTTP
-    (see :func:`~idempotency_mw.http.lookup.state_json`), its names in camelCase on the wire, and
-    the recorded tool result as a retry would get it replayed (``result``), when there is one.
-    """
-
-    state: str
-    expires_at: str | None = None
-    lease_until: str | None = None
-    status: int | None = None
-    replayable: bool | None = None
-    result: dict[str, Any] | None = None
 
 
 def caller_binding(ctx: ServerRequestContext[Any, Any]) -> str:

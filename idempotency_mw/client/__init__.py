@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from idempotency_mw.client.async_client import AsyncProbe, IdempotentClient
 from idempotency_mw.client.attention import AttentionRow, attention_rows
-from idempotency_mw.client.classify import PROBLEM_TYPE_PREFIX, Verdict, classify, retry_after
+from idempotency_mw.client.classify import Verdict, classify, retry_after
 from idempotency_mw.client.errors import (
     CommittedWithoutResponse,
     CredentialsMissing,
@@ -61,6 +61,7 @@ from idempotency_mw.client.values import (
     RequestParts,
     RetryPolicy,
 )
+from idempotency_mw.wire.http import PROBLEM_TYPE_PREFIX
 
 __all__ = [
     "DEFAULT_JOURNAL_PATH",

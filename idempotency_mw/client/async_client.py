@@ -31,7 +31,7 @@ class IdempotentClient(ClientBase[httpx.AsyncClient], AClosedOnExit):
     :class:`Journal` or the path of a SQLite file. Keys read
     ``<key_prefix>-<session_id>:<operation>:<sequence>:<random>``; an operation decided inside
     a handler (or idempotent function, or MCP tool) the middleware protects takes a key derived
-    from that call's (see :func:`~idempotency_mw.engine.downstream.operation_key`), so a re-run
+    from that call's (see :func:`~idempotency_mw.wire.keys.operation_key`), so a re-run
     of the handler sends it again under the same key.
 
     ``lookup_path``: where the server answers ``GET <lookup_path>/<key>`` (its middleware's

@@ -8,14 +8,9 @@ import re
 
 import httpx
 
-#: The ``type`` of every problem the middleware answers with, before its slug.
-PROBLEM_TYPE_PREFIX = "urn:idempotency-mw:problem:"
-MISMATCH = PROBLEM_TYPE_PREFIX + "mismatch"
-IN_PROGRESS = PROBLEM_TYPE_PREFIX + "in-progress"
-NOT_REPLAYABLE = PROBLEM_TYPE_PREFIX + "not-replayable"
-COMMITTED_WITHOUT_RESPONSE = PROBLEM_TYPE_PREFIX + "committed-without-response"
-CREDENTIAL_MISMATCH = PROBLEM_TYPE_PREFIX + "credential-mismatch"
-EXPIRED_KEY = PROBLEM_TYPE_PREFIX + "expired-key"
+from idempotency_mw.values.problems import Problem
+
+_NOT_REPLAYABLE = (Problem.UNREPLAYABLE.type_uri, Problem.COMMITTED_WITHOUT_RESPONSE.type_uri)
 
 
 class Verdict(enum.Enum):
@@ -69,15 +64,15 @@ def classify(outcome: httpx.Response | Exception) -> Verdict:
     if status < 400:
         return Verdict.SUCCEEDED
     kind = problem_type(outcome) if status in (409, 412, 422) else ""
-    if kind == MISMATCH:
+    if kind == Problem.MISMATCH.type_uri:
         return Verdict.MISMATCH
-    if status == 409 and kind == CREDENTIAL_MISMATCH:
+    if status == 409 and kind == Problem.CREDENTIAL_MISMATCH.type_uri:
         return Verdict.CREDENTIAL_MISMATCH
-    if status == 412 and kind == EXPIRED_KEY:
+    if status == 412 and kind == Problem.EXPIRED_KEY.type_uri:
         return Verdict.EXPIRED
-    if status == 409 and kind == IN_PROGRESS:
+    if status == 409 and kind == Problem.IN_PROGRESS.type_uri:
         return Verdict.RETRY
-    if status == 409 and kind in (NOT_REPLAYABLE, COMMITTED_WITHOUT_RESPONSE):
+    if status == 409 and kind in _NOT_REPLAYABLE:
         return Verdict.NOT_REPLAYABLE
     if status in _FINAL_5XX:
         return Verdict.REJECTED

@@ -12,6 +12,7 @@ import httpx
 
 from idempotency_mw.client.values import JournalEntry
 from idempotency_mw.values.records import KeyState
+from idempotency_mw.wire.http import REPLAYED_HEADER
 
 #: What the lookup's answer is when it tells nothing (it failed, or the server has none).
 UNANSWERED = "unanswered"
@@ -47,7 +48,7 @@ def learned(outcome: httpx.Response | Exception) -> Learned:
     answer: the server may have no lookup, or be down)."""
     if not isinstance(outcome, httpx.Response):
         return Learned(UNANSWERED)
-    if outcome.headers.get("idempotent-replayed") == "true":
+    if outcome.headers.get(REPLAYED_HEADER) == "true":
         return Learned(KeyState.COMPLETED.value, outcome.status_code, replay=outcome)
     if outcome.status_code != 200:
         return Learned(UNANSWERED)

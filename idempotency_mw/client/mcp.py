@@ -34,27 +34,31 @@ from mcp_types import (
 
 from idempotency_mw.client._closing import AClosedOnExit
 from idempotency_mw.client.async_client import AsyncProbe, IdempotentClient
-from idempotency_mw.client.classify import PROBLEM_TYPE_PREFIX
 from idempotency_mw.client.errors import OperationError
 from idempotency_mw.client.journals import DEFAULT_JOURNAL_PATH, Journal
 from idempotency_mw.client.protocol import ProtocolOptions
 from idempotency_mw.client.saga import AsyncStepClient
 from idempotency_mw.client.values import Operation
-from idempotency_mw.http.retention import FIRST_SENT_HEADER
-from idempotency_mw.mcp import LOOKUP_METHOD, KeyLookupResult, LookupParams
 from idempotency_mw.values.exceptions import ConfigurationError, describe
+from idempotency_mw.wire.http import (
+    FIRST_SENT_HEADER,
+    KEY_HEADER,
+    PROBLEM_TYPE_PREFIX,
+    REPLAYED_HEADER,
+)
+from idempotency_mw.wire.mcp import (
+    FIRST_SENT_META,
+    LOOKUP_METHOD,
+    META_KEY,
+    RETRY_META,
+    KeyLookupResult,
+    LookupParams,
+)
 
-#: Where the key goes in a ``tools/call`` request's ``_meta``.
-META_KEY = "idempotencyKey"
-#: Where the time the call was first sent goes (``idempotency_mw.mcp.FIRST_SENT_META``).
-FIRST_SENT_META = "idempotencyFirstSent"
-#: In the ``_meta`` of a tool's ``isError`` result when the tool crashed and the server
-#: released its key (``idempotency_mw.mcp.RETRY_META``): sent again, as an HTTP 500 is.
-RETRY_META = "idempotencyRetry"
 #: The base URL of the requests :class:`ToolTransport` carries (never resolved).
 TOOLS_URL = "http://mcp.tools"
 #: The ``lookup_path`` :class:`IdempotentToolCaller` gives its client: its ``GET <path>/<key>``
-#: is carried as the server's :data:`~idempotency_mw.mcp.LOOKUP_METHOD` request.
+#: is carried as the server's :data:`~idempotency_mw.wire.mcp.LOOKUP_METHOD` request.
 LOOKUP_PATH = "/idempotency-keys"
 
 
@@ -153,7 +157,7 @@ class ToolTransport(httpx.AsyncBaseTransport):
         session: ToolSession | None = None,
         *,
         connect: Connect | None = None,
-        header_name: str = "Idempotency-Key",
+        header_name: str = KEY_HEADER,
         first_sent_header: str | None = FIRST_SENT_HEADER,
     ) -> None:
         if (session is None) == (connect is None):
@@ -227,7 +231,7 @@ class ToolTransport(httpx.AsyncBaseTransport):
             return httpx.Response(404, json={"error": describe(exc)}, request=request)
         if found.result is not None:
             replay = _result_response(CallToolResult.model_validate(found.result), request)
-            replay.headers["idempotent-replayed"] = "true"
+            replay.headers[REPLAYED_HEADER] = "true"
             return replay
         state = found.model_dump(mode="json", exclude_none=True, exclude={"meta", "result"})
         return httpx.Response(200, json=state, request=request)
@@ -324,7 +328,7 @@ class IdempotentToolCaller(AClosedOnExit):
         transport = ToolTransport(
             session,
             connect=connect,
-            header_name=options.get("header_name", "Idempotency-Key"),
+            header_name=options.get("header_name", KEY_HEADER),
             first_sent_header=options.get("first_sent_header", FIRST_SENT_HEADER),
         )
         settings: ProtocolOptions = {"lookup_path": LOOKUP_PATH, **options}

@@ -24,7 +24,6 @@ from typing import Any, TypeAlias, TypedDict, TypeVar, cast
 import httpx
 
 from idempotency_mw.client.classify import (
-    COMMITTED_WITHOUT_RESPONSE,
     Verdict,
     classify,
     problem_type,
@@ -53,13 +52,19 @@ from idempotency_mw.client.values import (
     RequestParts,
     RetryPolicy,
 )
-from idempotency_mw.credentials import is_credential
-from idempotency_mw.engine.downstream import operation_key
-from idempotency_mw.http.retention import FIRST_SENT_HEADER, http_date, parse_http_date
 from idempotency_mw.values.exceptions import ConfigurationError
 from idempotency_mw.values.metrics import EventHook, guard
+from idempotency_mw.values.problems import Problem
 from idempotency_mw.values.records import KeyState
-from idempotency_mw.wire import HEADER_NAME, MAX_KEY_LENGTH
+from idempotency_mw.wire.credentials import is_credential
+from idempotency_mw.wire.http import (
+    FIRST_SENT_HEADER,
+    HEADER_NAME,
+    KEY_HEADER,
+    http_date,
+    parse_http_date,
+)
+from idempotency_mw.wire.keys import MAX_KEY_LENGTH, operation_key
 
 logger = logging.getLogger("idempotency_mw.client")
 
@@ -240,7 +245,7 @@ class Protocol:
         probed: frozenset[str],
         authenticates: Callable[[], bool] = lambda: False,
         policy: RetryPolicy | None = None,
-        header_name: str = "Idempotency-Key",
+        header_name: str = KEY_HEADER,
         key_prefix: str = "op",
         session_id: str | None = None,
         rng: random.Random | None = None,
@@ -765,7 +770,7 @@ def _conclude(entry: JournalEntry) -> httpx.Response:
     if verdict is Verdict.CREDENTIAL_MISMATCH:
         raise _credential_mismatch(entry.key, response)
     if verdict is Verdict.NOT_REPLAYABLE:
-        if problem_type(response) == COMMITTED_WITHOUT_RESPONSE:
+        if problem_type(response) == Problem.COMMITTED_WITHOUT_RESPONSE.type_uri:
             raise CommittedWithoutResponse(
                 "it took effect; its response is not available", entry.key, response
             )

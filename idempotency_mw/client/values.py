@@ -12,9 +12,9 @@ from typing import Any, TypedDict
 import httpx
 
 from idempotency_mw._backoff import Backoff
-from idempotency_mw.credentials import is_credential
-from idempotency_mw.http.retention import parse_http_date
 from idempotency_mw.values.exceptions import ConfigurationError
+from idempotency_mw.wire.credentials import is_credential
+from idempotency_mw.wire.http import EXPIRES_HEADER, parse_http_date
 
 #: Response headers a journal does not keep besides credentials: framing that no longer
 #: applies to the decoded body it stores.
@@ -24,8 +24,8 @@ _UNKEPT_HEADERS = frozenset(
 
 
 #: The server's word on until when it keeps an operation's key (an HTTP-date), journaled with
-#: the entry's response headers from every answer that says it.
-KEY_EXPIRES_HEADER = "idempotency-key-expires"
+#: the entry's response headers (lower case) from every answer that says it.
+KEY_EXPIRES_HEADER = EXPIRES_HEADER.lower()
 #: What the last lookup of the key found (``unknown``, ``in-progress``, ``completed``, ...),
 #: journaled beside it.
 LOOKED_UP_HEADER = "idempotency-mw-lookup"
@@ -94,7 +94,7 @@ class JournalEntry:
     server does not understand keys, so a lost attempt is looked up, not re-sent.
     ``first_sent_at`` is the wall-clock time of the first attempt (Unix seconds).
 
-    No credential is journaled (see :func:`~idempotency_mw.credentials.is_credential`):
+    No credential is journaled (see :func:`~idempotency_mw.wire.credentials.is_credential`):
     ``withheld`` names the credential headers the request was given, and ``credentials``
     holds their values in memory only, for the attempts of this process; a resend from the
     journal takes them from the client as configured.

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio.from_thread
 
 from idempotency_mw.values.exceptions import ConfigurationError, EffectCommitted, LeaseLost
+from idempotency_mw.wire.keys import current_claim
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -45,7 +46,7 @@ class CurrentClaim:
     #: effect happened, and its caller must be told so.
     committed_earlier: bool = False
     #: How many client operations of each name this run decided (their keys are derived from
-    #: the sequence: see :func:`~idempotency_mw.engine.downstream.operation_key`).
+    #: the sequence: see :func:`~idempotency_mw.wire.keys.operation_key`).
     operations: dict[str, int] = field(default_factory=dict)
 
 
@@ -53,10 +54,6 @@ class CurrentClaim:
 UNKEYED = "unkeyed"
 #: The store failed and the middleware runs the request unprotected (``fail_open``).
 UNPROTECTED = "unprotected"
-#: Set by the middleware around the handler; copied into its tasks and worker threads.
-current_claim: contextvars.ContextVar[CurrentClaim | str | None] = contextvars.ContextVar(
-    "idempotency_mw_current_claim", default=None
-)
 
 
 #: What the route's door gets when the claim waits for the endpoint (its caller's scope comes

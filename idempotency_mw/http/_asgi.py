@@ -8,9 +8,11 @@ from collections.abc import Awaitable, Callable
 from starlette.types import Message, Receive, Scope, Send
 
 from idempotency_mw.values.records import StoredResponse
-from idempotency_mw.wire import MAX_KEY_LENGTH, is_valid_key, key_rule
+from idempotency_mw.wire.http import REPLAYED_HEADER
+from idempotency_mw.wire.keys import MAX_KEY_LENGTH, is_valid_key, key_rule
 
-REPLAYED_HEADER = (b"idempotent-replayed", b"true")
+#: ``Idempotent-Replayed: true``, as a replay sends it.
+REPLAYED = (REPLAYED_HEADER.lower().encode(), b"true")
 #: Statuses whose responses carry no body, so no Content-Length either.
 _BODILESS = frozenset({204, 304})
 
@@ -212,10 +214,10 @@ async def send_replay(send: Send, response: StoredResponse) -> None:
     headers = [(name, value) for name, value in response.headers if name.lower() not in _OURS]
     if response.status >= 200 and response.status not in _BODILESS:
         headers.append((b"content-length", str(len(response.body)).encode()))
-    headers.append(REPLAYED_HEADER)
+    headers.append(REPLAYED)
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": response.body})
 
 
 #: Headers a replay sets itself, whatever a record holds.
-_OURS = frozenset({b"content-length", REPLAYED_HEADER[0]})
+_OURS = frozenset({b"content-length", REPLAYED[0]})

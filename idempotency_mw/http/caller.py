@@ -11,9 +11,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection
 from starlette.types import Scope, Send
 
-from idempotency_mw.credentials import bound_headers, credential_digest
 from idempotency_mw.http.options import Options
 from idempotency_mw.values.problems import Problem, send_http_problem, send_problem
+from idempotency_mw.wire.credentials import bound_headers, credential_digest
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -24,7 +24,7 @@ def credential_binding(options: Options, scope: Scope, headers: dict[str, list[s
     Without a ``scope`` option a record is bound by checking: the same key sent with other
     credentials never gets this record. With ``scope``, the scope alone decides. The
     credentials are the ``credential_headers`` (by default every header
-    :func:`~idempotency_mw.credentials.is_bound` names) and ``credential_cookies``.
+    :func:`~idempotency_mw.wire.credentials.is_bound` names) and ``credential_cookies``.
     """
     if options.caller_scope is not None:
         return ""

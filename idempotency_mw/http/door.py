@@ -41,8 +41,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from idempotency_mw.engine.fence import current_claim, current_entrance
+from idempotency_mw.engine.fence import current_entrance
 from idempotency_mw.values.exceptions import ConfigurationError
+from idempotency_mw.wire.keys import current_claim
 
 #: The name of the parameter through which ``@idempotent(scope=Depends(...))`` hands the door
 #: the caller's scope (FastAPI resolves it with the endpoint's other dependencies).

@@ -12,7 +12,6 @@ from idempotency_mw.engine.fence import (
     UNPROTECTED,
     AnsweredInstead,
     CurrentClaim,
-    current_claim,
     current_entrance,
 )
 from idempotency_mw.engine.fingerprint import request_fingerprint
@@ -26,6 +25,7 @@ from idempotency_mw.values.metrics import EventKind
 from idempotency_mw.values.problems import Problem, send_problem, store_failure
 from idempotency_mw.values.records import Claim, ClaimOutcome
 from idempotency_mw.values.settings import Settings
+from idempotency_mw.wire.keys import current_claim
 
 logger = logging.getLogger("idempotency_mw")
 

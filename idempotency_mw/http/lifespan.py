@@ -15,35 +15,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw.engine.cleanup import PurgeSchedule, background_purge
 from idempotency_mw.stores.base import Store
-from idempotency_mw.stores.checks import warn_at_startup
-from idempotency_mw.values.exceptions import ConfigurationError, SchemaError, StoreError
+from idempotency_mw.stores.checks import check_store
 
 logger = logging.getLogger("idempotency_mw")
-
-
-async def check_store(store: Store, *, server_checks: bool = True) -> None:
-    """Check the store at start-up: a wrong schema or a setting the store's server refuses
-    raises, an unreachable store only warns.
-
-    A service must start (and a server must be able to replace a worker) while its store is
-    down; keyed requests get 503 until the store answers. ``server_checks``: log a WARNING
-    for each setting of the store's server that can lose records (what ``idempotency-mw
-    check`` finds), once per store in the process.
-    """
-    try:
-        await store.startup()
-    except (SchemaError, ConfigurationError) as exc:
-        logger.error("idempotency store not ready: %s", exc)
-        raise
-    except StoreError as exc:
-        logger.warning(
-            "idempotency store unreachable at start-up; keyed requests get 503 until it "
-            "answers: %s",
-            exc,
-        )
-        return
-    if server_checks:
-        await warn_at_startup(store)
 
 
 @asynccontextmanager

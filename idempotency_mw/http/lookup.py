@@ -10,8 +10,6 @@ the JSON state otherwise.
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
-from typing import Any
 from urllib.parse import parse_qs
 
 from starlette.types import Scope, Send
@@ -23,7 +21,7 @@ from idempotency_mw.http.retention import KeyAnswers
 from idempotency_mw.stores.base import KeyLookup
 from idempotency_mw.values.exceptions import StoreError
 from idempotency_mw.values.problems import Problem, send_problem
-from idempotency_mw.values.records import KeyState, RecordState
+from idempotency_mw.wire.lookup import state_json
 
 
 def looked_up_key(scope: Scope, lookup_path: str) -> str | None:
@@ -35,21 +33,6 @@ def looked_up_key(scope: Scope, lookup_path: str) -> str | None:
         path = path[len(root) :]
     prefix = lookup_path + "/"
     return path[len(prefix) :] if path.startswith(prefix) else None
-
-
-def state_json(state: RecordState | None) -> dict[str, Any]:
-    """What a lookup answers (JSON): ``state``, and by state ``expires_at``, ``lease_until``,
-    ``status`` and ``replayable`` (times in RFC 3339, UTC). Nothing else: a key another caller
-    holds must read as one never seen."""
-    if state is None:
-        return {"state": KeyState.UNKNOWN.value}
-    found: dict[str, Any] = {"state": state.state.value, "expires_at": _rfc3339(state.expires_at)}
-    if state.lease_until is not None:
-        found["lease_until"] = _rfc3339(state.lease_until)
-    if state.state is KeyState.COMPLETED:
-        found["status"] = state.status
-        found["replayable"] = state.replayable
-    return found
 
 
 async def answer_lookup(options: Options, scope: Scope, send: Send, raw: str) -> None:
@@ -99,7 +82,3 @@ async def answer_lookup(options: Options, scope: Scope, send: Send, raw: str) ->
 def _wants_replay(scope: Scope) -> bool:
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     return query.get("replay") == ["true"]
-
-
-def _rfc3339(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds")

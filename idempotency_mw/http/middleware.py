@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idempotency_mw.engine.claim import ClaimEngine
 from idempotency_mw.engine.cleanup import PurgeSchedule
-from idempotency_mw.engine.fence import UNKEYED, current_claim
+from idempotency_mw.engine.fence import UNKEYED
 from idempotency_mw.http._asgi import ReplayReceive, invalid_key_detail, parse_key, request_headers
 from idempotency_mw.http.door import give_door
 from idempotency_mw.http.exchange import Exchange, read_body
@@ -29,17 +29,19 @@ from idempotency_mw.http.options import (
     build_options,
 )
 from idempotency_mw.http.policy import RouteTable, app_routes, routes_within
-from idempotency_mw.http.retention import (
-    FIRST_SENT_HEADER,
-    REQUEST_ID_HEADER,
-    KeyAnswers,
-    parse_http_date,
-)
+from idempotency_mw.http.retention import KeyAnswers
 from idempotency_mw.stores.base import Store
+from idempotency_mw.values.key_sources import NotAKey
 from idempotency_mw.values.metrics import EventHook
 from idempotency_mw.values.problems import Problem, send_problem
 from idempotency_mw.values.settings import LeaseLostAction, RouteOptions
-from idempotency_mw.wire import NotAKey
+from idempotency_mw.wire.http import (
+    FIRST_SENT_HEADER,
+    KEY_HEADER,
+    REQUEST_ID_HEADER,
+    parse_http_date,
+)
+from idempotency_mw.wire.keys import current_claim
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -71,7 +73,7 @@ class IdempotencyMiddleware:
         *,
         store: Store,
         methods: Iterable[str] = DEFAULT_METHODS,
-        header_name: str = "Idempotency-Key",
+        header_name: str = KEY_HEADER,
         request_id_header: str | None = REQUEST_ID_HEADER,
         first_sent_header: str = FIRST_SENT_HEADER,
         lookup_path: str | None = None,

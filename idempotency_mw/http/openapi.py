@@ -17,11 +17,11 @@ from typing import Any
 
 from idempotency_mw.http.options import Options
 from idempotency_mw.http.policy import RouteTable, app_routes
-from idempotency_mw.http.retention import EXPIRES_HEADER, RESULT_HEADER
 from idempotency_mw.values.problems import Problem
 from idempotency_mw.values.records import KeyState
 from idempotency_mw.values.settings import Settings
-from idempotency_mw.wire import MAX_KEY_LENGTH
+from idempotency_mw.wire.http import EXPIRES_HEADER, REPLAYED_HEADER, RESULT_HEADER
+from idempotency_mw.wire.keys import MAX_KEY_LENGTH
 
 _MARK = "__idempotency_documented__"
 _PROBLEM_SCHEMA = "IdempotencyProblem"
@@ -135,7 +135,7 @@ def _document_operation(operation: dict[str, Any], options: Options, settings: S
     for status, response in responses.items():
         if status.startswith("2"):
             response.setdefault("headers", {}).setdefault(
-                "Idempotent-Replayed",
+                REPLAYED_HEADER,
                 {
                     "description": "`true` when this is the recorded response of an earlier "
                     "request with the same key, replayed.",

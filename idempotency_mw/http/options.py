@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
-from idempotency_mw.credentials import CREDENTIAL_HEADERS
 from idempotency_mw.engine.cleanup import PurgeSchedule
-from idempotency_mw.http._asgi import REPLAYED_HEADER
+from idempotency_mw.http._asgi import REPLAYED
 from idempotency_mw.stores.base import KeyLookup, Store, takes_keyword
 from idempotency_mw.values.exceptions import ConfigurationError
 from idempotency_mw.values.metrics import EventHook, guard
 from idempotency_mw.values.settings import LeaseLostAction, RouteOptions, Settings, settings_of
-from idempotency_mw.wire import PER_ATTEMPT_HEADERS
+from idempotency_mw.wire.credentials import CREDENTIAL_HEADERS
+from idempotency_mw.wire.http import PER_ATTEMPT_HEADERS
 
 DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: Methods without effects (RFC 9110): repeatable by nature, never refused for a request id.
@@ -34,7 +34,7 @@ DEFAULT_UNRECORDED_HEADERS = CREDENTIAL_HEADERS | frozenset(
     }
 )
 #: Never recorded whatever the lists say: a replay sets this header itself, once.
-_ALWAYS_UNRECORDED = frozenset({REPLAYED_HEADER[0]})
+_ALWAYS_UNRECORDED = frozenset({REPLAYED[0]})
 
 CallerScope = Callable[[HTTPConnection], str | Awaitable[str]]
 

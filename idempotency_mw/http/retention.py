@@ -15,63 +15,23 @@ execution, ``rejected`` otherwise (see :meth:`KeyAnswers.accepted`).
 
 from __future__ import annotations
 
-import functools
-import math
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
-from email.utils import formatdate, parsedate_to_datetime
 
 from starlette.types import Message, Send
 
 from idempotency_mw.values.records import ClaimOutcome
+from idempotency_mw.wire.http import EXPIRES_HEADER, RESULT_HEADER, http_date
 
-EXPIRES_HEADER = "Idempotency-Key-Expires"
-FIRST_SENT_HEADER = "Repeatability-First-Sent"
-REQUEST_ID_HEADER = "Repeatability-Request-ID"
-RESULT_HEADER = "Repeatability-Result"
 #: The outcomes whose record is another request's: the key reused for another request, or
 #: by other credentials. This request never runs under the key (OASIS 3.2.1.1: ``rejected``).
 _ANOTHER_REQUESTS = frozenset({ClaimOutcome.MISMATCH, ClaimOutcome.CREDENTIAL_MISMATCH})
+_EXPIRES = EXPIRES_HEADER.lower().encode()
+_RESULT = RESULT_HEADER.lower().encode()
 
 
 def _below_500(status: int) -> bool:
     return status < 500
-
-
-def http_date(seconds: float) -> str:
-    """``seconds`` (Unix time) as an HTTP-date, rounded down to the second."""
-    return _http_date(math.floor(seconds))
-
-
-@functools.lru_cache(maxsize=64)
-def _http_date(second: int) -> str:
-    # Every keyed answer says a date, and the answers of one second and route say the same.
-    return formatdate(second, usegmt=True)
-
-
-def parse_http_date(value: str) -> float | None:
-    """The Unix time of an HTTP-date (any form RFC 9110 accepts; a zone-less one is UTC), or
-    ``None`` when ``value`` is not one."""
-    try:
-        moment = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):  # a year or zone of 11 digits
-        return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()
-
-
-def parse_first_sent(value: object) -> float | None:
-    """The Unix time of a first-sent time given as JSON (MCP's ``_meta``): an HTTP-date, or an
-    RFC 3339 date-time with its offset; ``None`` for anything else."""
-    if not isinstance(value, str):
-        return None
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        return parse_http_date(value)
-    return moment.timestamp() if moment.tzinfo is not None else None
 
 
 class KeyAnswers:
@@ -143,8 +103,8 @@ class KeyAnswers:
             expires = self._clock() + self._ttl if self._keeps(status) else None
         extra = []
         if expires is not None and not self._rejected:
-            extra.append((b"idempotency-key-expires", http_date(expires).encode()))
+            extra.append((_EXPIRES, http_date(expires).encode()))
         if self._oasis:
             result = b"accepted" if self.accepted(status) else b"rejected"
-            extra.append((b"repeatability-result", result))
+            extra.append((_RESULT, result))
         return extra

@@ -27,11 +27,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from idempotency_mw.credentials import is_credential
 from idempotency_mw.operator.admin import ReleaseOutcome, relative_time, release_record
 from idempotency_mw.stores.checks import findings
 from idempotency_mw.values.exceptions import ConfigurationError, StoreError, describe, install_extra
 from idempotency_mw.values.records import RecordStatus, RecordView
+from idempotency_mw.wire.credentials import is_credential
 
 if TYPE_CHECKING:
     from starlette.templating import Jinja2Templates

@@ -1,5 +1,5 @@
 """The settings that lose records, found before they do: ``idempotency-mw check``, the entries'
-start-up warnings and the panel's overview all read them here.
+start-up check (:func:`check_store`) and the panel's overview all read them here.
 
 Each store says what its server is set to (:class:`~idempotency_mw.stores.base.ServerChecked`);
 this module adds the app's clock against the server's.
@@ -14,7 +14,7 @@ import time
 import weakref
 
 from idempotency_mw.stores.base import ServerChecked, Store
-from idempotency_mw.values.exceptions import StoreError
+from idempotency_mw.values.exceptions import ConfigurationError, SchemaError, StoreError
 from idempotency_mw.values.findings import Finding, Severity
 
 logger = logging.getLogger("idempotency_mw")
@@ -77,3 +77,28 @@ async def warn_at_startup(store: Store) -> None:
     for finding in found:
         level = logging.WARNING if finding.severity is Severity.RISK else logging.INFO
         logger.log(level, "%r: %s (idempotency-mw check)", store, finding)
+
+
+async def check_store(store: Store, *, server_checks: bool = True) -> None:
+    """Check the store at start-up: a wrong schema or a setting the store's server refuses
+    raises, an unreachable store only warns.
+
+    A service must start (and a server must be able to replace a worker) while its store is
+    down; keyed requests get 503 until the store answers. ``server_checks``: log a WARNING
+    for each setting of the store's server that can lose records (what ``idempotency-mw
+    check`` finds), once per store in the process.
+    """
+    try:
+        await store.startup()
+    except (SchemaError, ConfigurationError) as exc:
+        logger.error("idempotency store not ready: %s", exc)
+        raise
+    except StoreError as exc:
+        logger.warning(
+            "idempotency store unreachable at start-up; keyed requests get 503 until it "
+            "answers: %s",
+            exc,
+        )
+        return
+    if server_checks:
+        await warn_at_startup(store)

@@ -6,12 +6,13 @@ import enum
 import json
 from collections.abc import Mapping
 from http import HTTPStatus
-
-from starlette.types import Send
+from typing import TYPE_CHECKING
 
 from idempotency_mw.values.exceptions import SchemaError, StoreError
+from idempotency_mw.wire.http import PROBLEM_TYPE_PREFIX
 
-_TYPE_PREFIX = "urn:idempotency-mw:problem:"
+if TYPE_CHECKING:
+    from starlette.types import Send
 
 
 class Problem(enum.Enum):
@@ -46,7 +47,7 @@ class Problem(enum.Enum):
     @property
     def type_uri(self) -> str:
         """The problem's ``type`` member."""
-        return _TYPE_PREFIX + self.value[0]
+        return PROBLEM_TYPE_PREFIX + self.value[0]
 
 
 #: Whether a retry with the same key may get another answer. ``False``: the problem is final,

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any, Literal, TypedDict
 
 from idempotency_mw.values.exceptions import ConfigurationError
-from idempotency_mw.wire import KeySource
+from idempotency_mw.values.key_sources import KeySource
 
 #: What becomes of work whose lease could not be proven: stopped, or left to go on unprotected.
 LeaseLostAction = Literal["cancel", "continue"]

@@ -23,7 +23,7 @@ from idempotency_mw.client import (
     ResponseNotReplayable,
 )
 from idempotency_mw.client.values import KEY_EXPIRES_HEADER, LOOKED_UP_HEADER
-from idempotency_mw.http.retention import http_date, parse_http_date
+from idempotency_mw.wire.http import http_date, parse_http_date
 from tests.conftest import built_store
 from tests.support.client_support import (
     FakeTime,

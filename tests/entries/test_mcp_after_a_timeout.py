@@ -20,16 +20,9 @@ from mcp_types import INVALID_PARAMS, CallToolResult, Request, RequestParamsMeta
 from idempotency_mw import Store, downstream_key
 from idempotency_mw.client import OperationState
 from idempotency_mw.client.mcp import IdempotentToolCaller, key_meta
-from idempotency_mw.mcp import (
-    IDEMPOTENCY_ERROR,
-    LOOKUP_METHOD,
-    REPLAYED_META,
-    IdempotentMCPServer,
-    IdempotentTools,
-    KeyLookupResult,
-    LookupParams,
-)
+from idempotency_mw.mcp import IDEMPOTENCY_ERROR, IdempotentMCPServer, IdempotentTools
 from idempotency_mw.testing import MemoryStore
+from idempotency_mw.wire.mcp import LOOKUP_METHOD, REPLAYED_META, KeyLookupResult, LookupParams
 from tests.middleware.test_after_a_timeout import UNPARSABLE_FIRST_SENT
 
 pytestmark = pytest.mark.anyio

@@ -36,19 +36,11 @@ from idempotency_mw import RedisStore, SchemaError, SQLStore, Store, fence
 from idempotency_mw.client import OperationState, RetryPolicy
 from idempotency_mw.client.mcp import IdempotentToolCaller, key_meta
 from idempotency_mw.engine.proofs import proof_metadata
-from idempotency_mw.mcp import (
-    IDEMPOTENCY_ERROR,
-    LOOKUP_METHOD,
-    RETRY_META,
-    IdempotentMCPServer,
-    IdempotentTools,
-    KeyLookupResult,
-    LookupParams,
-    Scope,
-)
+from idempotency_mw.mcp import IDEMPOTENCY_ERROR, IdempotentMCPServer, IdempotentTools, Scope
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
 from idempotency_mw.values.metrics import key_hash
+from idempotency_mw.wire.mcp import LOOKUP_METHOD, RETRY_META, KeyLookupResult, LookupParams
 from tests.support.faults import free_port, serve
 
 pytestmark = pytest.mark.anyio

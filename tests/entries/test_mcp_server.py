@@ -22,9 +22,10 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw.client import IdempotencyKeyMismatch, RetryPolicy
 from idempotency_mw.client.mcp import IdempotentToolCaller, key_meta
-from idempotency_mw.mcp import IDEMPOTENCY_ERROR, REPLAYED_META, IdempotentTools
+from idempotency_mw.mcp import IDEMPOTENCY_ERROR, IdempotentTools
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.testing import MemoryStore
+from idempotency_mw.wire.mcp import REPLAYED_META
 from tests.conftest import fresh_sql_store
 from tests.support.faults import serve
 from tests.support.mcp_tools import runs, tool_server

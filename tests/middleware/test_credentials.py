@@ -8,7 +8,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from idempotency_mw import IdempotencyMiddleware, Store
-from idempotency_mw.credentials import credential_digest
+from idempotency_mw.wire.credentials import credential_digest
 from tests.support.apps import client_for
 
 pytestmark = pytest.mark.anyio

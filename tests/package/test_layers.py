@@ -1,9 +1,13 @@
-"""The package's modules import one way: the stores' values live with the records, and the
-operator's module is a leaf that no store (nor anything of the request's way) imports."""
+"""The package's modules import one way (read from the source, lazy imports and those for type
+checkers included): the entries over the engine over the stores over the values and the wire
+vocabulary; the caller's half beside them, on the wire vocabulary and the values only; the
+operator's module a leaf that no store (nor anything of the request's way) imports."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import idempotency_mw
@@ -18,13 +22,19 @@ def module_name(path: Path) -> str:
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
     """The package modules ``path`` imports, lazily and for type checkers included."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            # A relative import starts from the module's package, up ``level - 1``.
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            module = ".".join([*base, node.module or ""] if node.level else [node.module or ""])
+            module = module.rstrip(".")
+            names = [module] + [f"{module}.{alias.name}" for alias in node.names]
         for name in names:
             while name and name not in modules:
                 name = name.rpartition(".")[0]
@@ -102,3 +112,72 @@ def test_no_import_circle_but_inside_one_store_package() -> None:
     # A store's own modules (the store, its scripts, its inspection) may refer to each other.
     across = [c for c in cycles(import_graph()) if len({store_package(n) for n in c}) > 1]
     assert across == []
+
+
+def part(name: str) -> str:
+    """The part of the package a module belongs to: its folder, or the top-level module."""
+    return name.split(".")[1] if "." in name else name
+
+
+#: The floors, from the bottom up: a module imports nothing of a floor above its own. The
+#: private helpers at the top level are values too.
+FLOORS = {
+    **dict.fromkeys(["values", "wire", "_backoff", "_redis_client", "_sqltypes", "_urls"], 0),
+    "_version": 0,
+    "stores": 1,
+    "engine": 2,
+    **dict.fromkeys(["http", "functions", "mcp"], 3),
+}
+#: What stands beside the floors and may import them: the caller's half, the operator's tools,
+#: the test helpers, the migrations, the public API.
+BESIDE = {"client", "operator", "testing", "alembic", "migrations", "idempotency_mw"}
+
+
+def arrows(source: set[str], banned: set[str]) -> list[str]:
+    """Each import of a module of the parts ``source`` of a module of the parts ``banned``."""
+    return sorted(
+        f"{name} -> {other}"
+        for name, imported in import_graph().items()
+        if part(name) in source
+        for other in imported
+        if part(other) in banned
+    )
+
+
+def test_every_part_is_on_a_floor_or_beside() -> None:
+    assert {part(name) for name in import_graph()} <= FLOORS.keys() | BESIDE
+
+
+def test_the_callers_half_imports_no_module_of_the_server() -> None:
+    server = {"http", "functions", "mcp", "engine", "operator", "stores", "testing", "alembic"}
+    assert arrows({"client"}, server | {"migrations", "idempotency_mw"}) == []
+
+
+def test_the_stores_import_nothing_of_the_entries_engine_or_operators_tools() -> None:
+    banned = {"http", "functions", "mcp", "engine", "operator", "client", "testing", "alembic"}
+    assert arrows({"stores"}, banned | {"migrations", "idempotency_mw"}) == []
+
+
+def test_the_floors_import_only_down() -> None:
+    up = [
+        f"{name} -> {other}"
+        for name, imported in import_graph().items()
+        if part(name) in FLOORS
+        for other in imported
+        if FLOORS.get(part(other), len(FLOORS)) > FLOORS[part(name)]
+    ]
+    assert up == []
+
+
+def test_importing_the_callers_half_loads_no_module_of_the_server() -> None:
+    # What a caller's process loads, the package's __init__ included.
+    script = (
+        "import sys, idempotency_mw.client, idempotency_mw.client.mcp\n"
+        "print(*sorted(m for m in sys.modules if m.startswith('idempotency_mw.')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert "idempotency_mw.client.mcp" in loaded
+    server = {"http", "functions", "mcp", "engine", "operator", "stores", "testing", "alembic"}
+    assert [name for name in loaded if part(name) in server] == []

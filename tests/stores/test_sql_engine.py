@@ -18,7 +18,7 @@ from sqlalchemy import event, update
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from idempotency_mw import ClaimOutcome, ConfigurationError, SQLStore, StoredResponse, StoreError
-from idempotency_mw.http.lifespan import check_store
+from idempotency_mw.stores.checks import check_store
 from idempotency_mw.stores.sql import async_url
 from idempotency_mw.stores.sql.database import engine_for
 from idempotency_mw.stores.sql.direct import Direct

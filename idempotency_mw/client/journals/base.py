@@ -9,8 +9,8 @@ from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 from idempotency_mw.client.values import JournalEntry, OperationState
-from idempotency_mw.credentials import is_credential
 from idempotency_mw.values.exceptions import ConfigurationError
+from idempotency_mw.wire.credentials import is_credential
 
 
 @runtime_checkable

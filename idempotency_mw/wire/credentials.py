@@ -2,7 +2,7 @@
 
 One rule for both halves: the client never journals a header :func:`is_credential` names, the
 server never records one, the panel hides one, and a record is bound to the digest of what
-:func:`identity` keeps of each (the client imports this module, never the server).
+:func:`identity` keeps of each.
 """
 
 from __future__ import annotations

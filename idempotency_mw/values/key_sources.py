@@ -1,49 +1,13 @@
-"""The one rule every entry applies to a key (an HTTP header's, a function's, an MCP call's),
-and where an HTTP route finds its key: :func:`from_header`, :func:`from_json`."""
+"""Where an HTTP route finds its key, when not in the middleware's ``header_name``:
+:func:`from_header`, :func:`from_json`."""
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
-from typing import TypeGuard
 
 from idempotency_mw.values.exceptions import ConfigurationError
-
-MAX_KEY_LENGTH = 255
-#: An HTTP header's name: an RFC 9110 token.
-HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-#: Headers a webhook's sender makes anew for every attempt of one message (a timestamp, a
-#: signature over it): as a key, a credential or a part of the fingerprint, they would make
-#: every re-delivery a new request or a 409.
-PER_ATTEMPT_HEADERS = frozenset(
-    {
-        "webhook-timestamp",
-        "webhook-signature",
-        "svix-timestamp",
-        "svix-signature",
-        "stripe-signature",
-        "x-hub-signature",
-        "x-hub-signature-256",
-    }
-)
-
-
-def is_valid_key(key: object) -> TypeGuard[str]:
-    """Whether ``key`` is a key: a string of 1-255 visible ASCII characters ("!" to "~"),
-    which every store keeps as it is and a header can carry bare."""
-    return (
-        isinstance(key, str)
-        and 1 <= len(key) <= MAX_KEY_LENGTH
-        and key.isascii()
-        and key.isprintable()
-        and " " not in key
-    )
-
-
-def key_rule(name: str) -> str:
-    """What a key named ``name`` must be, for an error that refuses one."""
-    return f"{name} must be 1-{MAX_KEY_LENGTH} visible ASCII characters"
+from idempotency_mw.wire.http import HEADER_NAME, PER_ATTEMPT_HEADERS
 
 
 class NotAKey(ValueError):
