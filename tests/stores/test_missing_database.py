@@ -13,8 +13,8 @@ import pytest
 from tests.conftest import SERVER_URLS, require_server
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTRACT = "tests/contract/test_store_contract.py::test_the_store_conforms"
-CASE = "first_claim_acquires_and_a_repeat_is_in_progress"
+CONTRACT = "tests/contract/test_store_contract.py::TestEveryStoreConforms"
+CASE = "test_first_claim_acquires_and_a_repeat_is_in_progress"
 MISSING = "idem_no_such_database"
 PYTEST = [
     sys.executable,
@@ -36,7 +36,7 @@ def run_on_a_missing_database(server: str, *, required: bool) -> subprocess.Comp
     variable = f"IDEMPOTENCY_TEST_{server.upper()}_URL"
     env = {**os.environ, variable: url, "IDEMPOTENCY_REQUIRE_SERVERS": "1" if required else ""}
     return subprocess.run(
-        [*PYTEST, f"{CONTRACT}[{server}-url-{CASE}]"],
+        [*PYTEST, f"{CONTRACT}::{CASE}[{server}-url]"],
         cwd=ROOT,
         env=env,
         capture_output=True,
