@@ -55,7 +55,7 @@ def start_server(folder: Path, port: int, *options: str, config: Path | None = N
     command += ["--logfile", "redis.log", *options]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     node = Node(port, process)
-    _wait_for_ping(node)
+    _wait_for_ping(node, folder / "redis.log")
     return node
 
 
@@ -258,12 +258,14 @@ def _role(node: Node) -> str:
     return redis_cli(node.port, "ROLE").split("\n", 1)[0].strip()
 
 
-def _wait_for_ping(node: Node, timeout: float = 30) -> None:
+def _wait_for_ping(node: Node, log: Path, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not node.alive():
+            # Its log says why (the folder goes with the cluster).
+            said = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise RuntimeError(
-                f"redis-server on port {node.port} exited ({node.process.returncode})"
+                f"redis-server on port {node.port} exited ({node.process.returncode}):\n{said}"
             )
         try:
             if redis_cli(node.port, "PING", timeout=2).strip() == "PONG":
