@@ -139,6 +139,23 @@ class RedisCluster:
             time.sleep(0.1)
         raise TimeoutError(f"the replicas in {self.folder} did not sync within {timeout} s")
 
+    def wait_for_replication(self, master: Node, timeout: float = 30) -> None:
+        """Until every replica of ``master`` has all it was sent so far."""
+        sent = int(
+            dict(_info_fields(redis_cli(master.port, "INFO", "replication")))["master_repl_offset"]
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            replicas = [
+                dict(part.split("=", 1) for part in value.split(","))
+                for name, value in _info_fields(redis_cli(master.port, "INFO", "replication"))
+                if name.startswith("slave") and name[5:].isdigit()
+            ]
+            if replicas and all(int(replica["offset"]) >= sent for replica in replicas):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"the replicas of {master.address} lagged for {timeout} s")
+
     def kill(self, node: Node) -> None:
         """SIGKILL: the node dies at once, without a shutdown or a last save."""
         node.process.send_signal(signal.SIGKILL)
@@ -252,6 +269,15 @@ def stop_servers(nodes: list[Node], folder: Path) -> None:
             node.process.kill()
             node.process.wait(10)
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _info_fields(info: str) -> list[tuple[str, str]]:
+    """The ``name:value`` lines of an ``INFO`` answer."""
+    return [
+        (name, value)
+        for name, _, value in (line.strip().partition(":") for line in info.splitlines())
+        if value
+    ]
 
 
 def _role(node: Node) -> str:
