@@ -164,8 +164,8 @@ async def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 async def logged(effects: Effects, key: str, phase: str) -> None:
-    """Until the fenced route's run of ``key`` logged ``phase`` (``started``: the worker is in
-    its handler, its claim's lease kept; ``done``: its effect committed with fence())."""
+    """Until a run of ``key`` logged ``phase`` (``started``: the worker is in its handler, its
+    claim's lease kept; ``done``: its effect happened, committed with fence() on /fenced)."""
     await eventually(lambda: effects.count(key, phase) == 1, within=20)
 
 
