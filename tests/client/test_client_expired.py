@@ -1,7 +1,7 @@
 """An operation left unknown until the server forgot its key: reconcile() never makes a second
 ticket, with a probe (it finds the ticket) or without one (a person is asked).
 
-Real HTTP: the example service under uvicorn with a ticket TTL of one second, and the
+Real HTTP: the example service under uvicorn with a ticket TTL of two seconds, and the
 fault-injecting proxy losing every response of the first client.
 """
 
@@ -31,6 +31,11 @@ from idempotency_mw.client import (
 CALLER = {"X-Caller": "agent-7"}
 TICKET = {"title": "printer on fire", "client_ref": "order-17"}
 RETENTION = timedelta(seconds=0.5)
+#: The ticket's TTL, short so that the server forgets the key within the test. Its lease (which
+#: must be shorter) once was 0.5 s: on a loaded machine the claim or a renewal took longer, the
+#: request was refused 503 lease-lost with nothing run, and no ticket ever came.
+TICKET_TTL = timedelta(seconds=2)
+LEASE = timedelta(seconds=1.5)
 
 
 async def find_ticket(http: httpx.AsyncClient, entry: JournalEntry) -> httpx.Response | None:
@@ -60,9 +65,7 @@ async def test_reconcile_after_the_server_forgot_the_key_never_makes_a_second_ti
     tmp_path: Path, probe: AsyncProbe | None
 ) -> None:
     database, journal = tmp_path / "service.db", tmp_path / "journal.sqlite3"
-    app = create_app(
-        f"sqlite:///{database}", ticket_ttl=timedelta(seconds=1), lease=timedelta(seconds=0.5)
-    )
+    app = create_app(f"sqlite:///{database}", ticket_ttl=TICKET_TTL, lease=LEASE)
     async with (
         serve(app) as port,
         FaultProxy(port, rates=FaultRates(drop_response=1.0), delay=0.0) as proxy,
@@ -84,7 +87,8 @@ async def test_reconcile_after_the_server_forgot_the_key_never_makes_a_second_ti
             while not tickets(database, "order-17") or in_progress_records(database):  # noqa: ASYNC110 (polls the database)
                 await anyio.sleep(0.02)
         assert tickets(database, "order-17") == 1
-        await anyio.sleep(1.2)  # past the record's TTL and the client's retention
+        # Past the record's TTL and the client's retention.
+        await anyio.sleep((max(TICKET_TTL, RETENTION) + timedelta(seconds=0.2)).total_seconds())
 
         proxy.rates = FaultRates()  # the network heals; the agent restarts
         async with IdempotentClient(

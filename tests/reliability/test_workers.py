@@ -17,7 +17,6 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from idempotency_mw.stores.sql import async_url
-from idempotency_mw.stores.sql.schema import records
 from tests.conftest import (
     REDIS_URL,
     SERVER_DATABASES,
@@ -26,6 +25,7 @@ from tests.conftest import (
     redis_prefix,
     require_server,
 )
+from tests.reliability.test_reliability import eventually
 from tests.support.faults import ServerProcess
 from tests.support.reliability_app import Effects, fenced_effects
 
@@ -163,22 +163,23 @@ async def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
-async def claimed(url: str, key: str, *, fenced: bool = False) -> None:
-    """Until ``key`` is claimed (in progress) in the table at ``url``, its effect committed
-    with ``fenced``."""
-    engine = create_async_engine(async_url(url))
-    query = select(records.c.key).where(records.c.key == key, records.c.status == "in_progress")
-    if fenced:
-        query = query.where(records.c.committed_at.is_not(None))
-    try:
-        with anyio.fail_after(20):
-            while True:
-                async with engine.connect() as conn:
-                    if (await conn.execute(query)).first() is not None:
-                        return
-                await anyio.sleep(0.02)
-    finally:
-        await engine.dispose()
+async def logged(effects: Effects, key: str, phase: str) -> None:
+    """Until a run of ``key`` logged ``phase`` (``started``: the worker is in its handler, its
+    claim's lease kept; ``done``: its effect happened, committed with fence() on /fenced)."""
+    await eventually(lambda: effects.count(key, phase) == 1, within=20)
+
+
+async def lapsed(client: httpx.AsyncClient, server: ServerProcess, key: str) -> dict[str, str]:
+    """The lookup's answer on ``server`` once it no longer says a live lease holds ``key``."""
+    with anyio.fail_after(20):
+        while True:
+            seen: dict[str, str] = (await client.get(f"{server.url}/idempotency-keys/{key}")).json()
+            live = seen["state"] == "in-progress" and datetime.fromisoformat(
+                seen["lease_until"]
+            ) > datetime.now(UTC)
+            if not live:
+                return seen
+            await anyio.sleep(0.05)
 
 
 async def test_a_fenced_effect_commits_once_when_a_paused_worker_loses_its_key(
@@ -200,13 +201,13 @@ async def test_a_fenced_effect_commits_once_when_a_paused_worker_loses_its_key(
                 )
 
             group.start_soon(post, "first", first)
-            # Once its claim is in the table, the first worker is in its handler (1.5 s long)...
-            await claimed(sql_url, key)
+            # The first worker is in its handler (1.5 s long)...
+            await logged(Effects(tmp_path / "effects.db"), key, "started")
             # ...and freezes there past its lease: a retry takes the key over on the second
             # worker and commits its effect.
             os.kill(first.process.pid, signal.SIGSTOP)
             try:
-                await anyio.sleep(1.2)
+                await lapsed(client, second, key)
                 await post("retry", second)
             finally:
                 os.kill(first.process.pid, signal.SIGCONT)
@@ -218,8 +219,8 @@ async def test_a_fenced_effect_commits_once_when_a_paused_worker_loses_its_key(
     await engine.dispose()
     # The first worker's transaction found the key another's, and rolled back.
     assert len(rows) == 1
-    assert answers["retry"].status_code == 201
-    assert answers["first"].status_code == 409
+    assert answers["retry"].status_code == 201, answers["retry"].text
+    assert answers["first"].status_code == 409, answers["first"].text
     assert answers["first"].json()["type"].endswith("in-progress")
 
 
@@ -246,24 +247,12 @@ async def test_the_lookup_of_a_paused_fenced_worker_answers_as_its_retries_in_pr
                 state: dict[str, str] = found.json()
                 return state
 
-            async def lapsed() -> dict[str, str]:
-                """The lookup's answer once it no longer says a live lease holds the key."""
-                with anyio.fail_after(20):
-                    while True:
-                        seen = await look()
-                        live = seen["state"] == "in-progress" and datetime.fromisoformat(
-                            seen["lease_until"]
-                        ) > datetime.now(UTC)
-                        if not live:
-                            return seen
-                        await anyio.sleep(0.05)
-
             async with anyio.create_task_group() as group:
                 group.start_soon(post, "first", first)
-                await claimed(sql_url, key, fenced=True)
+                await logged(Effects(tmp_path / "effects.db"), key, "done")
                 os.kill(first.process.pid, signal.SIGSTOP)
                 try:
-                    seen = await lapsed()
+                    seen = await lapsed(client, second, key)
                     await post("retry", second)
                     after_retry = await look()
                 finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -57,11 +58,14 @@ async def test_a_committed_record_is_never_released(
 async def test_a_committed_record_is_not_taken_over_when_its_lease_lapses(
     sql_store: SQLStore, app_engine: AsyncEngine
 ) -> None:
-    token = await acquire(sql_store, lease=0.2)
+    # A lease long enough for the fence and a claim within it on a loaded machine (with 0.2 s,
+    # that claim once came after the lease and began the probation with its own lease of 30 s).
+    token = await acquire(sql_store, lease=1.0)
+    claimed_by = time.monotonic()  # the store's clock read the claim's time before this
     assert await fenced(sql_store, app_engine, "k", token) == 1
     during = await sql_store.claim("", "k", "f", ttl=TTL, lease=30)
     assert during.outcome is ClaimOutcome.IN_PROGRESS
-    await anyio.sleep(0.3)
+    await anyio.sleep(claimed_by + 1.1 - time.monotonic())  # the lease lapsed
     # One more lease for its holder (see the contract suite), then never run again.
     probation = await sql_store.claim("", "k", "f", ttl=TTL, lease=0.2)
     assert probation.outcome is ClaimOutcome.IN_PROGRESS

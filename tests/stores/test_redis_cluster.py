@@ -80,7 +80,8 @@ async def test_the_store_recovers_when_a_master_is_killed(tmp_path: Path) -> Non
                 claim = await store.claim("s", key, "f", ttl=600, lease=600)
                 assert claim.token
                 assert await store.complete("s", key, claim.token, RESPONSE, ttl=600)
-            await anyio.sleep(0.5)  # replication to the replica is asynchronous
+            # Replication is asynchronous: the replica that takes over must have them.
+            await anyio.to_thread.run_sync(cluster.wait_for_replication, victim)
 
             cluster.kill(victim)
             began = time.monotonic()

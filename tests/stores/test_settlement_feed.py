@@ -24,7 +24,7 @@ from idempotency_mw.testing import MemoryStore
 from idempotency_mw.values.exceptions import SettlementFeedUnsupported
 from idempotency_mw.values.metrics import key_hash
 from tests.conftest import POSTGRESQL_URL, built_store, fresh_sql_store, require_server
-from tests.reliability.test_workers import running_workers
+from tests.reliability.test_workers import logged, running_workers
 from tests.support.apps import client_for, make_app
 from tests.support.faults import ServerProcess, StoreServer
 from tests.support.redis_servers import RedisCluster, redis_cli
@@ -345,7 +345,7 @@ async def answer_lag(
 
     async with anyio.create_task_group() as group:
         group.start_soon(post, "first", first)
-        await anyio.sleep(0.3)
+        await logged(effects, key, "started")  # the first holds the key
         await post("duplicate", second)
         woken = time.monotonic()  # one clock for every process of the machine
     (run,) = effects.runs(key)

@@ -55,7 +55,7 @@ def start_server(folder: Path, port: int, *options: str, config: Path | None = N
     command += ["--logfile", "redis.log", *options]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     node = Node(port, process)
-    _wait_for_ping(node)
+    _wait_for_ping(node, folder / "redis.log")
     return node
 
 
@@ -138,6 +138,23 @@ class RedisCluster:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"the replicas in {self.folder} did not sync within {timeout} s")
+
+    def wait_for_replication(self, master: Node, timeout: float = 30) -> None:
+        """Until every replica of ``master`` has all it was sent so far."""
+        sent = int(
+            dict(_info_fields(redis_cli(master.port, "INFO", "replication")))["master_repl_offset"]
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            replicas = [
+                dict(part.split("=", 1) for part in value.split(","))
+                for name, value in _info_fields(redis_cli(master.port, "INFO", "replication"))
+                if name.startswith("slave") and name[5:].isdigit()
+            ]
+            if replicas and all(int(replica["offset"]) >= sent for replica in replicas):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"the replicas of {master.address} lagged for {timeout} s")
 
     def kill(self, node: Node) -> None:
         """SIGKILL: the node dies at once, without a shutdown or a last save."""
@@ -254,16 +271,27 @@ def stop_servers(nodes: list[Node], folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _info_fields(info: str) -> list[tuple[str, str]]:
+    """The ``name:value`` lines of an ``INFO`` answer."""
+    return [
+        (name, value)
+        for name, _, value in (line.strip().partition(":") for line in info.splitlines())
+        if value
+    ]
+
+
 def _role(node: Node) -> str:
     return redis_cli(node.port, "ROLE").split("\n", 1)[0].strip()
 
 
-def _wait_for_ping(node: Node, timeout: float = 30) -> None:
+def _wait_for_ping(node: Node, log: Path, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not node.alive():
+            # Its log says why (the folder goes with the cluster).
+            said = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise RuntimeError(
-                f"redis-server on port {node.port} exited ({node.process.returncode})"
+                f"redis-server on port {node.port} exited ({node.process.returncode}):\n{said}"
             )
         try:
             if redis_cli(node.port, "PING", timeout=2).strip() == "PONG":

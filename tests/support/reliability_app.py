@@ -170,28 +170,34 @@ fenced_effects = Table(
 )
 
 
-def _add_fenced_route(app: FastAPI, store: SQLStore) -> None:
+def _add_fenced_route(app: FastAPI, store: SQLStore, effects: Effects) -> None:
     """``POST /fenced``: sleeps, then writes its effect in a transaction that calls fence();
-    ``POST /fenced-first``: the same the other way round."""
+    ``POST /fenced-first``: the same the other way round. Both log ``started`` when they
+    begin and ``done`` once the transaction committed (route ``fenced``)."""
     engine = create_async_engine(store.url)
 
     async def commit(key: str) -> None:
         async with AsyncSession(engine) as session, session.begin():
             await session.execute(fenced_effects.insert().values(idem_key=key, pid=os.getpid()))
             await fence(session)
+        await effects.alog("fenced", key, "done")
 
     @app.post("/fenced-first", status_code=201)
     @idempotent(required=True)
     async def fenced_first(request: Request) -> dict[str, int]:
-        await commit(request.headers.get(KEY_HEADER, ""))
+        key = request.headers.get(KEY_HEADER, "")
+        await effects.alog("fenced", key, "started")
+        await commit(key)
         await anyio.sleep(app.state.delay)
         return {"pid": os.getpid()}
 
     @app.post("/fenced", status_code=201)
     @idempotent(required=True)
     async def fenced(request: Request) -> dict[str, int]:
+        key = request.headers.get(KEY_HEADER, "")
+        await effects.alog("fenced", key, "started")
         await anyio.sleep(app.state.delay)
-        await commit(request.headers.get(KEY_HEADER, ""))
+        await commit(key)
         return {"pid": os.getpid()}
 
 
@@ -257,7 +263,7 @@ def create_app(
         return {"run": run, "pid": os.getpid(), "body": (await request.body()).decode()}
 
     if isinstance(store, SQLStore):
-        _add_fenced_route(app, store)
+        _add_fenced_route(app, store, effects)
 
     @app.post("/upload")
     @idempotent(required=True)
