@@ -417,35 +417,57 @@ class Call:
         if request.fenced and not fenced:
             self.engine.answered_unfenced(self.method, self.route)
         flush = _NOT_DURABLE if self._flush_skippable and fenced else _DURABLE
-        try:
-            with anyio.CancelScope(shield=True):
+
+        async def record() -> None:
+            try:
                 owned = await self._store_call(
                     "complete",
                     self.engine.store.complete(
                         request.scope, request.key, token, response, ttl=request.ttl, **flush
                     ),
                 )
-        except StoreError as exc:
-            logger.error("could not record the response of key %s: %s", self.key_id, exc)
-            return
-        finally:
-            self._settled()
-        if not owned:
-            logger.warning("key %s was taken over before its outcome was recorded", self.key_id)
+            except StoreError as exc:
+                logger.error("could not record the response of key %s: %s", self.key_id, exc)
+                return
+            if not owned:
+                logger.warning("key %s was taken over before its outcome was recorded", self.key_id)
+
+        await self._to_the_end(record)
 
     async def release(self, token: str) -> None:
         """Forget the claim, so that a retry runs the call again (its effect provably did not
         happen). The store call runs to its end even when the caller is cancelled meanwhile."""
         request = self.request
-        try:
-            with anyio.CancelScope(shield=True):
+
+        async def release() -> None:
+            try:
                 released = await self._store_call(
                     "release", self.engine.store.release(request.scope, request.key, token)
                 )
+            except StoreError as exc:
+                logger.error(
+                    "could not release key %s (its lease will lapse): %s", self.key_id, exc
+                )
+                return
             if released:
                 self.emit(EventKind.RELEASED)
-        except StoreError as exc:
-            logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)
+
+        await self._to_the_end(release)
+
+    async def _to_the_end(self, settle: Callable[[], Awaitable[None]]) -> None:
+        """Run ``settle()`` (a settlement that answers, logs its failure and raises nothing
+        but a cancellation) to its end even when the caller is cancelled meanwhile.
+
+        Shielded only when a cancellation arrives: it is then sent again, shielded, and the
+        cancellation goes on once it answered. Every store call may be delivered twice and
+        answers its own earlier delivery alike, so the interrupted one does no harm.
+        """
+        try:
+            await settle()
+        except asyncio.CancelledError:
+            with anyio.CancelScope(shield=True):
+                await settle()
+            raise
         finally:
             self._settled()
 
