@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 import anyio
 
 from idempotency_mw.engine.fence import CurrentClaim
-from idempotency_mw.engine.lease import Clock, LeaseKeeper, first_renewal_in
+from idempotency_mw.engine.lease import Clock, FirstRenewals, LeaseKeeper, first_renewal_in
 from idempotency_mw.engine.waiting import Settlements
 from idempotency_mw.stores.base import Store, takes_keyword
 from idempotency_mw.values.exceptions import ConfigurationError, StoreError
@@ -90,6 +90,7 @@ class ClaimEngine:
         self.on_lease_lost = on_lease_lost
         self.clock = clock
         self.settlements = Settlements(store)
+        self._first_renewals: FirstRenewals | None = None
         #: Whether the store takes ``durable=`` (one written for an earlier protocol may not).
         self.skips_flushes = takes_keyword(store.claim, "durable") and takes_keyword(
             store.complete, "durable"
@@ -103,6 +104,15 @@ class ClaimEngine:
     async def aclose(self) -> None:
         """Stop the settlement feed's watcher."""
         await self.settlements.stop()
+
+    def first_renewals(self) -> FirstRenewals:
+        """The first renewals of the claims held in the running event loop (a TestClient
+        without `with` runs each request in a loop of its own)."""
+        loop = asyncio.get_running_loop()
+        renewals = self._first_renewals
+        if renewals is None or renewals.loop is not loop:
+            renewals = self._first_renewals = FirstRenewals(loop)
+        return renewals
 
     def answered_unfenced(self, method: str, route: str) -> None:
         """Say that a call of a route declared fenced answered without ``fence()``: once per
@@ -144,8 +154,8 @@ class Hold:
     """One call's work, and the claim it holds once taken (see :meth:`ClaimEngine.hold`).
 
     The block's body is the work. Its lease keeper starts a third of the lease after the claim
-    (most work ends sooner, and a loop timer costs far less than a task and a keeper), in a
-    task that the block cancels and waits for when the work ends.
+    (most work ends sooner: until then the engine's :class:`FirstRenewals` only notes when it
+    is due), in a task that the block cancels and waits for when the work ends.
     """
 
     def __init__(
@@ -159,9 +169,10 @@ class Hold:
         self._on_stopped = on_stopped
         #: The work's deadline: none, until the lease is lost (then now, which stops it).
         self._work = asyncio.timeout(None)
-        #: The lease keeper once it is needed, the timer that starts it, and its task.
+        #: Where the first renewal is noted once the claim is held.
+        self._renewals: FirstRenewals | None = None
+        #: The lease keeper once it is needed, and its task.
         self._keeper: LeaseKeeper | None = None
-        self._starting: asyncio.TimerHandle | None = None
         self._keeping: asyncio.Task[None] | None = None
         self.call: Call | None = None
         #: The claim ``fence()`` is handed, once acquired.
@@ -187,15 +198,15 @@ class Hold:
                 raise  # the work's own
             stopped = True
         finally:
-            if self._starting is not None:
-                self._starting.cancel()
+            if self._renewals is not None:
+                self._renewals.discard(self._start_keeping)
             if self._keeping is not None:
                 self._keeping.cancel()
                 # The work's own exception goes on as it was raised: the wait only ends the
                 # keeper (which never raises but its cancellation).
                 await asyncio.wait({self._keeping})
-            # The keeper, its timer and its task refer back to the block: let go of them.
-            self._keeper, self._starting, self._keeping = None, None, None
+            # The keeper and its task refer back to the block: let go of them.
+            self._keeper, self._keeping, self._renewals = None, None, None
             if self.claim_held is not None:
                 assert self.call is not None
                 self.call.emit(EventKind.CLAIM_ENDED)
@@ -240,7 +251,8 @@ class Hold:
             lease=request.lease,
         )
         call.emit(EventKind.CLAIM_STARTED)
-        self._starting = asyncio.get_running_loop().call_later(due_in, self._start_keeping)
+        self._renewals = self.engine.first_renewals()
+        self._renewals.add(self._start_keeping, due_in)
         return self.claim_held
 
     def _keeper_of(self, call: Call, token: str) -> LeaseKeeper:
@@ -258,7 +270,6 @@ class Hold:
         # runs the loop: the keeper's task is asyncio's own.
         assert self.call is not None
         assert self.claim_held is not None
-        self._starting = None
         if self._keeper is None:
             self._keeper = self._keeper_of(self.call, self.claim_held.token)
         self._keeping = asyncio.get_running_loop().create_task(self._keep(self._keeper))
@@ -417,35 +428,57 @@ class Call:
         if request.fenced and not fenced:
             self.engine.answered_unfenced(self.method, self.route)
         flush = _NOT_DURABLE if self._flush_skippable and fenced else _DURABLE
-        try:
-            with anyio.CancelScope(shield=True):
+
+        async def record() -> None:
+            try:
                 owned = await self._store_call(
                     "complete",
                     self.engine.store.complete(
                         request.scope, request.key, token, response, ttl=request.ttl, **flush
                     ),
                 )
-        except StoreError as exc:
-            logger.error("could not record the response of key %s: %s", self.key_id, exc)
-            return
-        finally:
-            self._settled()
-        if not owned:
-            logger.warning("key %s was taken over before its outcome was recorded", self.key_id)
+            except StoreError as exc:
+                logger.error("could not record the response of key %s: %s", self.key_id, exc)
+                return
+            if not owned:
+                logger.warning("key %s was taken over before its outcome was recorded", self.key_id)
+
+        await self._to_the_end(record)
 
     async def release(self, token: str) -> None:
         """Forget the claim, so that a retry runs the call again (its effect provably did not
         happen). The store call runs to its end even when the caller is cancelled meanwhile."""
         request = self.request
-        try:
-            with anyio.CancelScope(shield=True):
+
+        async def release() -> None:
+            try:
                 released = await self._store_call(
                     "release", self.engine.store.release(request.scope, request.key, token)
                 )
+            except StoreError as exc:
+                logger.error(
+                    "could not release key %s (its lease will lapse): %s", self.key_id, exc
+                )
+                return
             if released:
                 self.emit(EventKind.RELEASED)
-        except StoreError as exc:
-            logger.error("could not release key %s (its lease will lapse): %s", self.key_id, exc)
+
+        await self._to_the_end(release)
+
+    async def _to_the_end(self, settle: Callable[[], Awaitable[None]]) -> None:
+        """Run ``settle()`` (a settlement that answers, logs its failure and raises nothing
+        but a cancellation) to its end even when the caller is cancelled meanwhile.
+
+        Shielded only when a cancellation arrives: it is then sent again, shielded, and the
+        cancellation goes on once it answered. Every store call may be delivered twice and
+        answers its own earlier delivery alike, so the interrupted one does no harm.
+        """
+        try:
+            await settle()
+        except asyncio.CancelledError:
+            with anyio.CancelScope(shield=True):
+                await settle()
+            raise
         finally:
             self._settled()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,48 @@ def first_renewal_in(proven_at: float, lease: float, now: float) -> float:
     """Seconds from ``now`` until the first renewal of a lease proven at ``proven_at`` (when
     its claim or renewal was sent) is due: a third of the lease after it; 0 when due already."""
     return max(0.0, proven_at + lease / 3 - now)
+
+
+class FirstRenewals:
+    """When each claim held in one event loop is first due for renewal, watched by one loop
+    timer rather than one per claim: most claims end before a third of their lease, and then
+    they cost a dict entry, not a timer. ``start()`` of a claim still held when due is called
+    once.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        #: When each is due, and when the timer fires, on the loop's clock.
+        self._due: dict[Callable[[], None], float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0
+
+    def add(self, start: Callable[[], None], due_in: float) -> None:
+        """Call ``start()`` in ``due_in`` seconds unless :meth:`discard` comes first."""
+        due = self.loop.time() + due_in
+        self._due[start] = due
+        if self._timer is None or due < self._timer_due:
+            self._set_timer(due)
+
+    def discard(self, start: Callable[[], None]) -> None:
+        """The claim ended: its renewals are not due any more."""
+        self._due.pop(start, None)
+
+    def _set_timer(self, due: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = due
+        self._timer = self.loop.call_at(due, self._fire)
+
+    def _fire(self) -> None:
+        # Due: what the loop found due with this timer.
+        fired, self._timer = self._timer_due, None
+        for start, due in list(self._due.items()):
+            if due <= fired:
+                del self._due[start]
+                start()
+        if self._due:
+            self._set_timer(min(self._due.values()))
 
 
 class LeaseKeeper:

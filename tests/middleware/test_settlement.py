@@ -131,3 +131,14 @@ async def test_the_lease_is_renewed_while_the_handler_runs_and_no_longer() -> No
     assert renewed == 1
     assert elapsed < 1.8
     assert store.reached["renew"] == renewed
+
+
+async def test_a_claim_held_after_a_shorter_one_ended_is_renewed_all_the_same() -> None:
+    app, store = service(lease=3)
+    async with client_for(app) as client:
+        # The first claim's renewal would be due at 1 s: it ends before, the second (due a
+        # little later) still runs then, and is renewed once.
+        first = await client.post("/work", headers={"Idempotency-Key": "short"})
+        second = await client.post("/work?seconds=1.2", headers=KEY)
+    assert (first.status_code, second.status_code) == (200, 200)
+    assert store.reached["renew"] == 1
