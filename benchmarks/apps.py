@@ -7,8 +7,6 @@ Variants (``VARIANTS``):
   the same app behind ``idempotency_mw.IdempotencyMiddleware`` on each store, default settings
   (``ours-sqlite``: a file in WAL with ``synchronous=FULL``, the store's default;
   ``ours-sqlite-normal`` opts in to ``synchronous=NORMAL``);
-- ``ours-sqlite-engine``, ``ours-postgresql-engine``: the store given the application's own
-  engine (``SQLStore(engine)``) instead of a URL;
 - ``ours-memory`` (not in ``VARIANTS``: one process only): on ``testing.MemoryStore``, to see the
   middleware's own cost with next to nothing spent in the store;
 - ``fik-sqlite``, ``fik-redis``: ``fastapi-idempotency-key`` 0.1.x, wired as its README's
@@ -42,9 +40,7 @@ VARIANTS = (
     "bare",
     "ours-sqlite",
     "ours-sqlite-normal",
-    "ours-sqlite-engine",
     "ours-postgresql",
-    "ours-postgresql-engine",
     "ours-mariadb",
     "ours-redis",
     "fik-sqlite",
@@ -58,9 +54,7 @@ LABELS = {
     "ours-sqlite": "idempotency-mw, SQLite",
     "ours-sqlite-normal": "idempotency-mw, SQLite (synchronous=NORMAL)",
     "ours-memory": "idempotency-mw, MemoryStore",
-    "ours-sqlite-engine": "idempotency-mw, SQLite, the app's engine",
     "ours-postgresql": "idempotency-mw, PostgreSQL",
-    "ours-postgresql-engine": "idempotency-mw, PostgreSQL, the app's engine",
     "ours-mariadb": "idempotency-mw, MariaDB",
     "ours-redis": "idempotency-mw, Redis",
     "fik-sqlite": "fastapi-idempotency-key, SQLite",
@@ -73,9 +67,7 @@ STORE_OF = {
     "ours-sqlite": "sqlite",
     "ours-sqlite-normal": "sqlite",
     "ours-memory": None,
-    "ours-sqlite-engine": "sqlite",
     "ours-postgresql": "postgresql",
-    "ours-postgresql-engine": "postgresql",
     "ours-mariadb": "mariadb",
     "ours-redis": "redis",
     "fik-sqlite": "sqlite",
@@ -161,10 +153,6 @@ def build_app(
                 store = MemoryStore()
             case "ours-postgresql":
                 store = SQLStore(POSTGRESQL_URL)
-            case "ours-sqlite-engine" | "ours-postgresql-engine":
-                engine = apps_engine(variant, sqlite_dir)
-                closers.append(engine.dispose)
-                store = SQLStore(engine)
             case "ours-mariadb":
                 store = SQLStore(MARIADB_URL)
             case "ours-redis":
@@ -244,29 +232,6 @@ def sqlite_store(sqlite_dir: Path, *, normal: bool) -> Any:
     return SQLStore(url, sqlite_synchronous="NORMAL") if normal else SQLStore(url)
 
 
-def apps_engine(variant: str, sqlite_dir: Path) -> Any:
-    """The engine an application makes for itself (not in autocommit, its pool's defaults) on
-    the database of ``variant``; on SQLite, the PRAGMAs the store sets on a file of its own
-    (docs/stores/sql.md)."""
-    from sqlalchemy import event
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    from idempotency_mw.stores.sql import async_url
-
-    if variant == "ours-postgresql-engine":
-        return create_async_engine(async_url(POSTGRESQL_URL))
-    engine = create_async_engine(async_url(sqlite_url(sqlite_dir, SQLITE_FILES[False])))
-
-    @event.listens_for(engine.sync_engine, "connect")
-    def wal_and_full_sync(dbapi_connection: Any, _record: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        for pragma in ("busy_timeout=9000", "journal_mode=WAL", "synchronous=FULL"):
-            cursor.execute(f"PRAGMA {pragma}")
-        cursor.close()
-
-    return engine
-
-
 def create_app() -> FastAPI:
     """uvicorn factory: the variant named by ``BENCH_VARIANT`` (see the module docstring)."""
     from benchmarks.common import set_nodelay_on_every_tcp_connection
@@ -301,9 +266,9 @@ async def prepare(variant: str, sqlite_dir: Path, redis_prefix: str = REDIS_PREF
     from benchmarks.common import prepare_sql, wipe_redis
 
     match variant:
-        case "ours-sqlite" | "ours-sqlite-normal" | "ours-sqlite-engine":
+        case "ours-sqlite" | "ours-sqlite-normal":
             await prepare_sql(sqlite_url(sqlite_dir, SQLITE_FILES[variant == "ours-sqlite-normal"]))
-        case "ours-postgresql" | "ours-postgresql-engine":
+        case "ours-postgresql":
             await prepare_sql(POSTGRESQL_URL)
         case "ours-mariadb":
             await prepare_sql(MARIADB_URL)

@@ -177,30 +177,24 @@ async def own_engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngin
     await engine.dispose()
 
 
-async def test_what_a_given_engine_ran_is_committed_and_the_engine_never_disposed(
+async def test_an_engine_given_is_used_as_it_is_and_never_disposed(
     own_engine: AsyncEngine,
 ) -> None:
-    # The application's engine is not in autocommit (SQLite's and MySQL's drivers open a
-    # transaction on a write) and its pool rolls back what comes back to it: what the
-    # request's statements wrote on its driver connections is committed (a store of its own
-    # on the same database replays it).
     pool = own_engine.pool
+    sent: list[str] = []
+
+    @event.listens_for(own_engine.sync_engine, "before_cursor_execute")
+    def saw(conn: object, cursor: object, statement: str, *_: object) -> None:
+        sent.append(statement)
+
     store = SQLStore(own_engine)
     assert store.engine is own_engine
-    key = uuid.uuid4().hex
-    claim = await store.claim("", key, "f", ttl=60, lease=60)
-    assert claim.token is not None
-    assert await store.complete("", key, claim.token, RESPONSE, ttl=60)
+    await first_and_replay(store)
     await store.aclose()
-    other = SQLStore(own_engine.url)
-    try:
-        replay = await other.claim("", key, "f", ttl=60, lease=60)
-    finally:
-        await other.aclose()
-    assert (replay.outcome, replay.response) == (ClaimOutcome.REPLAY, RESPONSE)
-    # The application's pool is still the one it had (a dispose replaces it), all given back.
+    # The store's statements went through the application's engine, whose pool is still the
+    # one it had (a dispose replaces it).
+    assert len(sent) >= 3
     assert own_engine.pool is pool
-    assert pool.checkedout() == 0  # type: ignore[attr-defined]
     async with own_engine.connect() as conn:
         assert (await conn.exec_driver_sql("SELECT 1")).scalar() == 1
 
@@ -230,38 +224,28 @@ async def test_a_connection_the_server_dropped_costs_no_request(
             await first_and_replay(store)
 
 
-@pytest.fixture(params=["url", "engine"])
-async def store_either_way(
-    request: pytest.FixtureRequest, database_url: str
-) -> AsyncIterator[SQLStore]:
-    """A store made from a URL, or given an engine of the application's own, on an empty
-    table, with a short operation timeout."""
+@pytest.fixture
+async def url_store(database_url: str) -> AsyncIterator[SQLStore]:
+    """A store made from a URL, on an empty table, with a short operation timeout."""
     store = await fresh_sql_store(database_url, operation_timeout=0.5)
-    if request.param == "url":
-        yield store
-        await store.aclose()
-        return
+    yield store
     await store.aclose()
-    # SQLite's wait for a lock a share of the operation's time, as on a file of the store's own.
-    waits = {"timeout": 0.45} if database_url.startswith("sqlite") else {}
-    engine = create_async_engine(async_url(database_url), connect_args=waits)
-    yield SQLStore(engine, operation_timeout=0.5)
-    await engine.dispose()
 
 
-async def test_a_request_runs_on_its_pools_driver_connections(store_either_way: SQLStore) -> None:
-    # The documented trade, whichever way the store was made: SQLAlchemy's statement events
-    # (and the instrumentation built on them) do not see a request's statements; the pool's
-    # events still see every connection.
-    engine = store_either_way.engine.sync_engine
+async def test_a_url_store_runs_a_request_on_its_pools_driver_connections(
+    url_store: SQLStore,
+) -> None:
+    # The documented trade: SQLAlchemy's statement events (and the instrumentation built on
+    # them) do not see a request's statements; the pool's events still see every connection.
+    engine = url_store.engine.sync_engine
     sent: list[str] = []
     taken: list[object] = []
     event.listen(engine, "before_cursor_execute", lambda *args: sent.append(args[2]))
     event.listen(engine, "checkout", lambda *args: taken.append(args[0]))
-    await first_and_replay(store_either_way)
+    await first_and_replay(url_store)
     assert sent == []
     assert len(taken) >= 3
-    assert store_either_way.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert url_store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
 
 
 async def test_more_calls_at_once_than_the_pool_holds_wait_for_its_connections(
@@ -298,27 +282,27 @@ async def record_held(url: str, key: str) -> AsyncIterator[None]:
 
 
 async def test_a_statement_cancelled_midway_gives_its_connection_up(
-    store_either_way: SQLStore, database_url: str
+    url_store: SQLStore, database_url: str
 ) -> None:
-    claim = await store_either_way.claim("", "k", "f", ttl=60, lease=60)
+    claim = await url_store.claim("", "k", "f", ttl=60, lease=60)
     assert claim.token is not None
-    engine = store_either_way.engine
+    engine = url_store.engine
     invalidated: list[object] = []
     event.listen(engine.sync_engine, "invalidate", lambda *args: invalidated.append(args[0]))
     async with record_held(database_url, "k"):
         # The completion waits for the record, and the store stops waiting for it.
         with pytest.raises(StoreError):
-            await store_either_way.complete("", "k", claim.token, RESPONSE, ttl=60)
+            await url_store.complete("", "k", claim.token, RESPONSE, ttl=60)
         assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
         if not database_url.startswith("sqlite"):
             # Its connection, still busy with the statement, never went back to the pool.
             # (SQLite refuses the statement itself once its wait for the lock, a share of the
             # operation's time, ends: that connection is as good as before.)
             assert invalidated
-    assert await store_either_way.complete("", "k", claim.token, RESPONSE, ttl=60)
+    assert await url_store.complete("", "k", claim.token, RESPONSE, ttl=60)
     for _ in range(3):
-        await first_and_replay(store_either_way)
-    await store_either_way.aclose()
+        await first_and_replay(url_store)
+    await url_store.aclose()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceWarning)
         gc.collect()

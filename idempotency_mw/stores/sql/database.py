@@ -43,8 +43,10 @@ _ASYNC_DRIVER_NAMES = {"aiosqlite", "asyncpg", "psycopg", "asyncmy", "aiomysql"}
 _EXTRAS = {"aiosqlite": "sql", "asyncpg": "postgresql", "asyncmy": "mysql"}
 _IN_MEMORY = (None, "", ":memory:")
 #: How many connections a made engine's pool opens (as needed) and keeps, on a database server
-#: and on a SQLite file. None beyond: a pool full at every peak opened and closed connections at
-#: a steady load above its size.
+#: and on a SQLite file. None beyond: a connection then goes back to the pool without I/O (none
+#: is closed on its return, nor reset), so the direct path (direct.py) returns it outside
+#: SQLAlchemy's greenlet; and a pool full at every peak opened and closed connections at a
+#: steady load above its size.
 SERVER_POOL_SIZE, SQLITE_POOL_SIZE = 20, 5
 #: Seconds after which a made engine replaces a pooled connection (when it is next taken), so
 #: that a server or proxy that drops old connections fails no statement.
@@ -178,9 +180,10 @@ class Database:
     loop of its own), an owned engine starts a new pool there and leaves the old one to its
     loop; a given engine fails with the way out.
 
-    The ``direct`` statements (the request path's) run on the driver connection of one of the
-    engine's connections (see :mod:`~idempotency_mw.stores.sql.direct`), on a made engine and
-    a given one alike; the others run through SQLAlchemy.
+    On an owned engine the ``direct`` statements (the request path's) run on the driver's
+    own connection (see :mod:`~idempotency_mw.stores.sql.direct`): every connection of that
+    engine is in autocommit. A given engine's statements all run through SQLAlchemy, with its
+    events and its isolation settings.
     """
 
     def __init__(
@@ -195,7 +198,7 @@ class Database:
             engine.dialect.loaded_dbapi.Error,
         )
         self._owned = owned
-        self._direct = Direct.of(engine, direct)
+        self._direct = Direct.of(engine, direct) if owned else None
         #: The driver's own errors after which a direct statement runs again through SQLAlchemy.
         self._direct_errors: tuple[type[Exception], ...] = ()
         if self._direct is not None:
@@ -210,10 +213,6 @@ class Database:
         self._autocommit = (
             engine if owned else engine.execution_options(isolation_level="AUTOCOMMIT")
         )
-        # A direct statement's connection. A given engine's are not in autocommit (MySQL's and
-        # SQLite's drivers open a transaction on a write): there it runs in a transaction that
-        # commits, which also spares the pool its rollback on return.
-        self._connection = engine.connect if owned else engine.begin
         self._in_transaction = (
             engine.execution_options(isolation_level="READ COMMITTED")
             if self.dialect_name == "postgresql"
@@ -281,15 +280,6 @@ class Database:
                     if time.monotonic() >= deadline:
                         raise
             return await self._with_reruns(run, deadline, durable)
-        except RuntimeError as exc:
-            if not any(sign in str(exc) for sign in _OTHER_LOOP):
-                raise
-            # A failure of the store (503 and logged), with the way out, rather than a 500.
-            raise ConnectionError(
-                "the engine's pooled connection belongs to another event loop: when requests "
-                "run in event loops of their own (a TestClient without `with`), give the "
-                "engine poolclass=NullPool"
-            ) from exc
         finally:
             self._running -= 1
             if not self._running:
@@ -311,23 +301,33 @@ class Database:
                 pause = _rerun_after(exc, attempt)
                 if pause is None or time.monotonic() + pause >= deadline:
                     raise
+            except RuntimeError as exc:
+                if not any(sign in str(exc) for sign in _OTHER_LOOP):
+                    raise
+                # A failure of the store (503 and logged), with the way out, rather than a 500.
+                raise ConnectionError(
+                    "the engine's pooled connection belongs to another event loop: when requests "
+                    "run in event loops of their own (a TestClient without `with`), give the "
+                    "engine poolclass=NullPool"
+                ) from exc
             await asyncio.sleep(pause)
             attempt += 1
 
     async def _on_driver(self, run: Callable[[Any], Awaitable[T]]) -> T:
-        """``run`` on the driver connection of one of the engine's connections, which SQLAlchemy
-        takes from its pool and gives back (with its events, and the pool's reset if any)."""
-        async with self._connection() as conn:
-            pooled = await conn.get_raw_connection()
-            try:
-                return await run(pooled.driver_connection)
-            except BaseException as exc:
-                assert self._direct is not None
-                if not self._direct.keeps_connection(exc):
-                    # Cancelled or cut off mid-way, the connection may be in any state: closed
-                    # at once, never reused (nor waited for, as a graceful close would).
-                    pooled.invalidate(exc)
-                raise
+        """``run`` on the driver connection of a connection of the engine's pool."""
+        pooled = await self.engine.raw_connection()
+        try:
+            result = await run(pooled.driver_connection)
+        except BaseException as exc:
+            assert self._direct is not None
+            if self._direct.keeps_connection(exc):
+                pooled.close()
+            else:
+                # Cancelled or cut off mid-way, the connection may be in any state: never reused.
+                pooled.invalidate()
+            raise
+        pooled.close()
+        return result
 
     async def _enter(self, loop: asyncio.AbstractEventLoop) -> None:
         """Use the engine from ``loop`` on: an owned engine's pool of another loop is left to

@@ -1,7 +1,6 @@
-"""A request's statements on the driver's own connection: their SQL compiled once by
-SQLAlchemy for the engine's dialect, each run by one call of the driver on the
-``driver_connection`` of one of the engine's connections (the store's own engine or the
-application's).
+"""A request's statements on the driver's own connection, for an engine the store made: their
+SQL compiled once by SQLAlchemy for the engine's dialect, each run by one call of the driver on
+the ``driver_connection`` of a connection taken from the engine's pool.
 
 SQLAlchemy's execution path (a ``Connection``, an execution context, a result, a switch of
 greenlet around each driver call; on aiosqlite a thread hop each for the cursor, the execute,
@@ -10,10 +9,9 @@ statement is asyncpg's ``fetch`` or ``execute`` (prepared once per connection by
 statement cache, unnamed when the URL turns prepared statements off), one aiosqlite call, or an
 asyncmy cursor.
 
-The connection is SQLAlchemy's (``AsyncConnection.get_raw_connection()``): taken from and
-given back to the engine's one pool, whose settings and events still apply (recycling, the
-``connect`` event that sets SQLite's PRAGMAs, the URL's options, a reset on return); the
-engine's statement events (``before_cursor_execute``...) do not see these statements.
+The connection comes from, and goes back to, the engine's one pool, whose settings and events
+still apply (recycling, the ``connect`` event that sets SQLite's PRAGMAs, the URL's options);
+the engine's statement events (``before_cursor_execute``...) do not see these statements.
 """
 
 from __future__ import annotations
